@@ -1,0 +1,141 @@
+"""Adam and AdamW (Kingma & Ba, arXiv 1412.6980; Loshchilov & Hutter, arXiv 1711.05101)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from lightning_optim.optim.base import BaseOptimizer, Batch, ParamsT
+from lightning_optim.optim.validation import check_betas, check_flag, check_positive
+
+__all__ = ["Adam", "AdamW"]
+
+
+class Adam(BaseOptimizer):
+    r"""Adam, with torch's arguments plus FusedAdam's ``adam_w_mode`` and ``bias_correction``.
+
+    At step :math:`t` with gradient :math:`g` (L2 mode adds :math:`\lambda p` to :math:`g`):
+
+    .. math::
+        m &\leftarrow \beta_1 m + (1-\beta_1) g, \qquad v \leftarrow \beta_2 v + (1-\beta_2) g^2 \\
+        \hat v &= \max(\hat v_{t-1}, v) \text{ with amsgrad, else } v \\
+        p &\leftarrow p - \frac{\eta}{b_1} \frac{m}{\sqrt{\hat v}/\sqrt{b_2} + \epsilon} - c\,p
+
+    with :math:`b_k = 1-\beta_k^t` (1 when ``bias_correction=False``) and the decoupled decay
+    :math:`c = \eta\lambda` (AdamW), :math:`c = \lambda\eta/\eta_{max}` (``decouple_lr``), else 0.
+
+    Args:
+        lr: learning rate, >= 0.
+        betas: moment coefficients, each in [0, 1).
+        eps: added to the denominator, > 0.
+        weight_decay: L2 penalty, or decoupled decay with ``decoupled_weight_decay``/``adam_w_mode``.
+        amsgrad: use the running maximum of ``v`` (FusedAdam and optimi refuse it; we support it).
+        decoupled_weight_decay: AdamW's decay ``p <- p - lr * wd * p``.
+        adam_w_mode: FusedAdam's name for ``decoupled_weight_decay`` (None: not given).
+        bias_correction: divide the moments by ``1 - beta^t``.
+        maximize: maximize the objective instead.
+        fused: accepted for torch compatibility; the fastest available path is always taken.
+        foreach, kahan_sum, decouple_lr, max_lr, fp32_state: see :class:`BaseOptimizer`.
+    """
+
+    def __init__(
+        self,
+        params: ParamsT,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        amsgrad: bool = False,
+        *,
+        decoupled_weight_decay: bool = False,
+        adam_w_mode: bool | None = None,
+        bias_correction: bool = True,
+        maximize: bool = False,
+        foreach: bool | None = None,
+        fused: bool | None = None,
+        capturable: bool = False,
+        differentiable: bool = False,
+        kahan_sum: bool | None = None,
+        decouple_lr: bool = False,
+        max_lr: float | None = None,
+        fp32_state: bool = False,
+    ) -> None:
+        if capturable or differentiable:
+            raise ValueError("capturable/differentiable: not supported by lightning_optim.Adam; leave them False")
+        if adam_w_mode is not None:
+            check_flag("adam_w_mode", adam_w_mode)
+            if decoupled_weight_decay and not adam_w_mode:
+                raise ValueError("adam_w_mode=False contradicts decoupled_weight_decay=True; give one of them")
+            decoupled_weight_decay = adam_w_mode
+        defaults = dict(
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            amsgrad=amsgrad,
+            decoupled_weight_decay=decoupled_weight_decay,
+            bias_correction=bias_correction,
+            maximize=maximize,
+            foreach=foreach,
+            fused=fused,
+            kahan_sum=kahan_sum,
+            decouple_lr=decouple_lr,
+            max_lr=max_lr,
+            fp32_state=fp32_state,
+        )
+        super().__init__(params, defaults)
+
+    def _check_group(self, group: dict[str, Any]) -> None:
+        check_betas(group["betas"])
+        check_positive("eps", group["eps"])
+        for flag in ("amsgrad", "decoupled_weight_decay", "bias_correction"):
+            check_flag(flag, group[flag])
+
+    def _init_state(self, group: dict[str, Any], p: torch.Tensor, state: dict[str, Any], dtype: torch.dtype) -> None:
+        state["exp_avg"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+        state["exp_avg_sq"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+        if group["amsgrad"]:
+            state["max_exp_avg_sq"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+
+    def _update(self, group: dict[str, Any], batch: Batch, apply: bool) -> None:
+        beta1, beta2 = group["betas"]
+        decoupled = group["decoupled_weight_decay"] or group["decouple_lr"]
+        grads = batch.grads if decoupled else self.with_l2(batch, group["weight_decay"])
+        exp_avg, exp_avg_sq = batch.state("exp_avg"), batch.state("exp_avg_sq")
+        torch._foreach_lerp_(exp_avg, grads, 1 - beta1)
+        torch._foreach_mul_(exp_avg_sq, beta2)
+        torch._foreach_addcmul_(exp_avg_sq, grads, grads, value=1 - beta2)
+        if group["amsgrad"]:
+            max_sq = batch.state("max_exp_avg_sq")
+            torch._foreach_maximum_(max_sq, exp_avg_sq)
+            exp_avg_sq = max_sq
+        if not apply:
+            return
+        bc1, bc2 = 1.0, 1.0
+        if group["bias_correction"]:
+            bc1, bc2 = 1 - beta1**batch.step, 1 - beta2**batch.step
+        denom = torch._foreach_sqrt(exp_avg_sq)
+        torch._foreach_div_(denom, math.sqrt(bc2))
+        torch._foreach_add_(denom, group["eps"])
+        deltas = torch._foreach_div(exp_avg, denom)
+        torch._foreach_mul_(deltas, -group["lr"] / bc1)
+        self._apply(batch, deltas, decay=self.decoupled_decay(group) if decoupled else 0.0)
+
+
+class AdamW(Adam):
+    """Adam with decoupled weight decay (``decoupled_weight_decay=True``, torch's default wd 1e-2)."""
+
+    def __init__(
+        self,
+        params: ParamsT,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        amsgrad: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        kwargs.setdefault("decoupled_weight_decay", True)
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, **kwargs)

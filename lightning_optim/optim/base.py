@@ -1,0 +1,330 @@
+"""The machinery every lightning-optim optimizer shares.
+
+An optimizer subclass writes its math once, in ``_update``, over *lists* of tensors with
+``torch._foreach_*`` ops. The base calls it either once per bucket of same-device, same-dtype,
+same-step tensors (``foreach=True``) or once per tensor with one-element lists (``foreach=False``,
+and gradient release). The two paths therefore run the same formula.
+
+Shared features handled here:
+
+* **Validation** of every param group (defaults and per-group overrides) before it is added.
+* **Kahan summation** (``kahan_sum``): a low-precision parameter ``p`` with compensation ``c``
+  receives an update ``d`` as ``y = d + c; t = round(p + y); c = y - (t - p); p = t``, all
+  arithmetic in fp32, so the rounding error of every step is carried into the next one.
+* **Weight decay**: L2 (``g <- g + wd p``), torch-style decoupled (``p <- p - lr wd p``) and
+  fully decoupled (``decouple_lr``: ``p <- p - (lr / max_lr) wd p``).
+* **Optimizer accumulation**: while ``optimizer_accumulation`` is True a step updates the
+  states only; the next normal step applies them to the parameters.
+* **Gradient release**: see :mod:`lightning_optim.optim.release`.
+* **State dicts** keep each state tensor's dtype on reload (torch casts floating state to the
+  parameter dtype, which would round fp32 moments of bf16 parameters down).
+
+Rules for subclasses: never modify ``batch.grads`` in place (they may be ``param.grad``
+itself); put scratch results in fresh lists; hand the final parameter delta to ``self._apply``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_optim.optim.validation import (
+    check_flag,
+    check_non_negative,
+    check_optional_flag,
+    check_positive,
+)
+
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+ParamsT = Iterable[Tensor] | Iterable[dict[str, Any]]
+
+
+@dataclass
+class Batch:
+    """Tensors of one param group that are updated together.
+
+    ``grads`` are in ``compute_dtype`` (the state dtype); they may alias ``param.grad`` and
+    must not be modified in place.
+    """
+
+    params: list[Tensor]
+    grads: list[Tensor]
+    states: list[dict[str, Any]]
+    step: int
+    compute_dtype: torch.dtype
+    _params_compute: list[Tensor] | None = field(default=None, repr=False)
+
+    def state(self, key: str) -> list[Tensor]:
+        return [s[key] for s in self.states]
+
+    @property
+    def params_compute(self) -> list[Tensor]:
+        """The parameters in the compute dtype (read-only views or copies)."""
+        if self._params_compute is None:
+            self._params_compute = [p.detach().to(self.compute_dtype) for p in self.params]
+        return self._params_compute
+
+
+class BaseOptimizer(torch.optim.Optimizer):
+    """Base class: validation, dispatch, Kahan summation, accumulation, dtype-safe reloads.
+
+    Shared keyword flags (subclasses pass them through ``defaults``):
+        weight_decay: decay coefficient, in [0, inf).
+        decouple_lr: fully decoupled weight decay, ``p <- p - (lr / max_lr) * wd * p``.
+        max_lr: the largest scheduled lr, used by ``decouple_lr`` (defaults to the group's lr).
+        kahan_sum: Kahan-compensated updates for fp16/bf16 params (None: on for those dtypes;
+            fp32 params need no compensation and never get a buffer).
+        foreach: multi-tensor path (None: on). Results equal the for-loop path.
+        fp32_state: keep the optimizer states of fp16/bf16 params in fp32 (default False:
+            states in the param dtype, as optimi does, to save memory).
+    """
+
+    def __init__(self, params: ParamsT, defaults: dict[str, Any]) -> None:
+        self._optimizer_accumulation = False
+        self._released = False
+        self._group_index: dict[int, int] | None = None
+        super().__init__(params, defaults)
+
+    # ------------------------------------------------------------------ validation
+    def _check_group(self, group: dict[str, Any]) -> None:
+        """Subclasses check their own hyper-parameters here (raise ValueError/TypeError)."""
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        merged = {**self.defaults, **param_group}
+        params = param_group["params"]
+        params = [params] if isinstance(params, Tensor) else list(params)
+        for p in params:
+            if isinstance(p, Tensor) and p.is_complex():
+                raise TypeError(f"params: complex parameters are not supported (got {p.dtype})")
+            if isinstance(p, Tensor) and not p.is_floating_point():
+                raise TypeError(f"params: only floating-point parameters can be optimized (got {p.dtype})")
+        check_non_negative("lr", merged["lr"])
+        check_non_negative("weight_decay", merged.get("weight_decay", 0.0))
+        for flag in ("decouple_lr", "maximize"):
+            if flag in merged:
+                check_flag(flag, merged[flag])
+        for flag in ("kahan_sum", "foreach", "fp32_state"):
+            if flag in merged:
+                check_optional_flag(flag, merged[flag])
+        if merged.get("decouple_lr") and merged.get("max_lr") is None:
+            param_group = {**param_group, "max_lr": float(merged["lr"])}
+        elif merged.get("max_lr") is not None:
+            check_positive("max_lr", merged["max_lr"])
+        self._check_group(merged)
+        self._group_index = None
+        super().add_param_group(param_group)
+
+    # ------------------------------------------------------------------ public flags
+    @property
+    def optimizer_accumulation(self) -> bool:
+        """While True, steps accumulate gradients into the states and leave params alone."""
+        return self._optimizer_accumulation
+
+    @optimizer_accumulation.setter
+    def optimizer_accumulation(self, value: bool) -> None:
+        check_flag("optimizer_accumulation", value)
+        blocker = self._accumulation_blocker() if value else None
+        if blocker is not None:
+            raise ValueError(f"optimizer_accumulation: not possible: {blocker}")
+        self._optimizer_accumulation = value
+
+    def _accumulation_blocker(self) -> str | None:
+        """Why gradients cannot be accumulated into this optimizer's states (None: they can)."""
+        return None
+
+    @property
+    def gradient_release(self) -> bool:
+        """True while :func:`prepare_for_gradient_release` hooks drive this optimizer."""
+        return self._released
+
+    # ------------------------------------------------------------------ stepping
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One optimization step over every param with a gradient.
+
+        Under gradient release the update already ran during backward, so only the closure
+        (if any) is evaluated.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self._released:
+            return loss
+        # Collect and check every gradient first: bad input must not leave a half-done step.
+        work = [(group, self._params_with_grad(group)) for group in self.param_groups]
+        self._before_step(work)
+        for group, params in work:
+            if params:
+                self._step_params(group, params)
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self._released:
+            return  # the release hooks already freed every gradient
+        super().zero_grad(set_to_none=set_to_none)
+
+    def _before_step(self, work: list[tuple[dict[str, Any], list[Tensor]]]) -> None:
+        """Hook for whole-model work before any update (LAMB's global grad-norm clipping)."""
+
+    def _params_with_grad(self, group: dict[str, Any]) -> list[Tensor]:
+        params = [p for p in group["params"] if p.grad is not None]
+        for p in params:
+            _check_grad(p)
+        return params
+
+    def _compute_dtype(self, group: dict[str, Any], p: Tensor) -> torch.dtype:
+        if p.dtype in LOW_PRECISION and group.get("fp32_state"):
+            return torch.float32
+        return p.dtype
+
+    def _uses_kahan(self, group: dict[str, Any], p: Tensor) -> bool:
+        return p.dtype in LOW_PRECISION and group.get("kahan_sum") is not False
+
+    def _state_for(self, group: dict[str, Any], p: Tensor) -> dict[str, Any]:
+        state = self.state[p]
+        if not state:
+            dtype = self._compute_dtype(group, p)
+            state["step"] = 0
+            self._init_state(group, p, state, dtype)
+            if self._uses_kahan(group, p):
+                state["kahan_comp"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return state
+
+    def _init_state(self, group: dict[str, Any], p: Tensor, state: dict[str, Any], dtype: torch.dtype) -> None:
+        """Subclasses create their state tensors (in ``dtype``) here."""
+
+    def _step_params(self, group: dict[str, Any], params: list[Tensor]) -> None:
+        states = [self._state_for(group, p) for p in params]
+        if group.get("foreach") is False:
+            buckets = [[i] for i in range(len(params))]
+        else:
+            by_key: dict[tuple, list[int]] = {}
+            for i, (p, s) in enumerate(zip(params, states)):
+                key = (p.device, p.dtype, self._compute_dtype(group, p), s["step"], "kahan_comp" in s)
+                by_key.setdefault(key, []).append(i)
+            buckets = list(by_key.values())
+        apply = not self._optimizer_accumulation
+        for idx in buckets:
+            bucket_params = [params[i] for i in idx]
+            bucket_states = [states[i] for i in idx]
+            dtype = self._compute_dtype(group, bucket_params[0])
+            grads = [p.grad.to(dtype) for p in bucket_params]
+            if group.get("maximize"):
+                grads = torch._foreach_neg(grads)
+            for s in bucket_states:
+                s["step"] += 1
+            batch = Batch(bucket_params, grads, bucket_states, bucket_states[0]["step"], dtype)
+            self._update(group, batch, apply)
+
+    def _update(self, group: dict[str, Any], batch: Batch, apply: bool) -> None:
+        """Update the states of ``batch``; when ``apply``, also update the parameters."""
+        raise NotImplementedError(f"{type(self).__name__} must implement _update")
+
+    # ------------------------------------------------------------------ helpers for subclasses
+    @staticmethod
+    def decoupled_decay(group: dict[str, Any], lr: float | None = None) -> float:
+        """The coefficient ``c`` of a decoupled decay ``p <- p - c p`` (0 when not decoupled).
+
+        ``lr`` overrides the group's lr (StableAdamW decays with its clipped lr).
+        """
+        wd = group.get("weight_decay", 0.0)
+        if wd == 0:
+            return 0.0
+        lr = group["lr"] if lr is None else lr
+        if group.get("decouple_lr"):
+            return wd * lr / group["max_lr"]
+        return wd * lr
+
+    @staticmethod
+    def with_l2(batch: Batch, weight_decay: float) -> list[Tensor]:
+        """``g + wd * p`` as new tensors (the caller's grads stay untouched)."""
+        if weight_decay == 0:
+            return batch.grads
+        return torch._foreach_add(batch.grads, batch.params_compute, alpha=weight_decay)
+
+    def _apply(self, batch: Batch, deltas: list[Tensor], decay: float = 0.0) -> None:
+        """``p <- p + delta - decay * p``, Kahan-compensated for low-precision params.
+
+        ``deltas`` is scratch owned by the caller and may be consumed.
+        """
+        params = batch.params
+        kahan = "kahan_comp" in batch.states[0]
+        if decay != 0 and (kahan or params[0].dtype != deltas[0].dtype):
+            torch._foreach_add_(deltas, batch.params_compute, alpha=-decay)
+        elif decay != 0:
+            torch._foreach_mul_(params, 1 - decay)  # torch's order: decay, then the step
+        if kahan:
+            comps = batch.state("kahan_comp")
+            y = torch._foreach_add([d.float() for d in deltas], [c.float() for c in comps])
+            old = [p.float() for p in params]
+            new = torch._foreach_add(old, y)
+            for p, n in zip(params, new):
+                p.copy_(n)  # rounds to the param dtype
+            # what the rounding lost: y - (round(p + y) - p)
+            torch._foreach_sub_(y, torch._foreach_sub([p.float() for p in params], old))
+            for c, err in zip(comps, y):
+                c.copy_(err)
+        elif params[0].dtype == deltas[0].dtype:
+            torch._foreach_add_(params, deltas)
+        else:
+            new = torch._foreach_add([p.to(deltas[0].dtype) for p in params], deltas)
+            for p, n in zip(params, new):
+                p.copy_(n)
+
+    # ------------------------------------------------------------------ gradient release
+    def _group_for(self, p: Tensor) -> dict[str, Any]:
+        # Looked up at call time by index: load_state_dict replaces the group dicts, and an
+        # LR scheduler must keep driving the hooks afterwards.
+        if self._group_index is None:
+            self._group_index = {
+                id(q): gi for gi, group in enumerate(self.param_groups) for q in group["params"]
+            }
+        return self.param_groups[self._group_index[id(p)]]
+
+    @torch.no_grad()
+    def step_param(self, p: Tensor) -> None:
+        """Update one parameter from its gradient (used by gradient release)."""
+        if p.grad is None:
+            return
+        _check_grad(p)
+        self._step_params(self._group_for(p), [p])
+
+    def _release_blocker(self) -> str | None:
+        """Why this optimizer cannot run under gradient release (None: it can)."""
+        return None
+
+    # ------------------------------------------------------------------ state dicts
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load like torch, but keep every state tensor's saved dtype.
+
+        torch casts floating-point state to the param dtype; fp32 moments or master weights of
+        a bf16 param would be rounded to bf16. Tensors whose dtype torch changed are re-copied
+        from the saved ones.
+        """
+        saved_state = state_dict["state"]
+        super().load_state_dict(state_dict)
+        self._group_index = None
+        params = [p for group in self.param_groups for p in group["params"]]
+        saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
+        for p, saved_id in zip(params, saved_ids):
+            saved = saved_state.get(saved_id)
+            if saved is None:
+                continue
+            state = self.state[p]
+            for key, value in saved.items():
+                if isinstance(value, Tensor) and state[key].dtype != value.dtype:
+                    state[key] = value.to(device=p.device, copy=True)
+
+
+def _check_grad(p: Tensor) -> None:
+    if p.grad.is_sparse:
+        raise ValueError("grad: sparse gradients are not supported; use dense gradients")
+    if p.grad.is_complex():
+        raise TypeError(f"grad: complex gradients are not supported (got {p.grad.dtype})")
+    if p.grad.shape != p.shape:
+        raise ValueError(f"grad: shape {tuple(p.grad.shape)} does not match the param shape {tuple(p.shape)}")

@@ -1,0 +1,72 @@
+"""Gradient release: run each parameter's update inside backward, then free its gradient.
+
+Only one layer's gradients are alive at a time (Pudipeddi et al., arXiv 2002.05645). The hook
+looks the param group up at call time, so LR schedulers keep driving the update, also after
+``optimizer.load_state_dict`` (which replaces the group dicts). ``step()`` and ``zero_grad()``
+become no-ops, so training loops that call them keep working.
+
+Single-process only for now: under DDP a post-accumulate hook sees the local, un-averaged
+gradient, so ranks would silently diverge.
+
+Limits: anything that needs all gradients at once after backward (global-norm clipping,
+GradScaler unscaling, gradient accumulation across backward calls) does not see the gradients;
+use ``optimizer_accumulation`` to accumulate instead.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from lightning_optim.optim.base import BaseOptimizer
+
+_HANDLES_ATTR = "_lightning_optim_release"
+
+
+def prepare_for_gradient_release(model: nn.Module, optimizer: BaseOptimizer) -> None:
+    """Register per-parameter post-accumulate-grad hooks that step ``optimizer``.
+
+    Every parameter of ``optimizer`` must belong to ``model``.
+    """
+    if not isinstance(optimizer, BaseOptimizer):
+        raise TypeError(
+            f"optimizer: gradient release needs a lightning_optim optimizer, got {type(optimizer).__name__}"
+        )
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+    blocker = optimizer._release_blocker()
+    if blocker is not None:
+        raise ValueError(f"optimizer: gradient release is not possible: {blocker}")
+    if getattr(model, _HANDLES_ATTR, None) is not None:
+        raise RuntimeError("model: gradient release is already prepared; call remove_gradient_release first")
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        if torch.distributed.get_world_size() > 1:
+            raise RuntimeError(
+                "gradient release is single-process for now: under DDP the hooks would see "
+                "un-averaged local gradients"
+            )
+    model_params = {id(p) for p in model.parameters()}
+    opt_params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+    missing = [i for i, p in enumerate(opt_params) if id(p) not in model_params]
+    if missing:
+        raise ValueError(f"model: {len(missing)} optimizer parameters are not parameters of the model")
+
+    def hook(p: Tensor) -> None:
+        optimizer.step_param(p)
+        p.grad = None
+
+    handles = [p.register_post_accumulate_grad_hook(hook) for p in opt_params]
+    setattr(model, _HANDLES_ATTR, (handles, optimizer))
+    optimizer._released = True
+
+
+def remove_gradient_release(model: nn.Module) -> None:
+    """Remove the hooks; the optimizer goes back to normal ``step()``/``zero_grad()``."""
+    prepared = getattr(model, _HANDLES_ATTR, None)
+    if prepared is None:
+        return
+    handles, optimizer = prepared
+    for handle in handles:
+        handle.remove()
+    optimizer._released = False
+    delattr(model, _HANDLES_ATTR)

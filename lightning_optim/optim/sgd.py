@@ -1,0 +1,105 @@
+"""SGD with momentum (torch semantics) plus FusedSGD's ``wd_after_momentum``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from lightning_optim.optim.base import BaseOptimizer, Batch, ParamsT
+from lightning_optim.optim.validation import check_flag, check_non_negative, check_unit_interval
+
+__all__ = ["SGD"]
+
+
+class SGD(BaseOptimizer):
+    r"""Stochastic gradient descent with momentum.
+
+    With gradient :math:`g`, L2 coefficient :math:`\lambda`, momentum :math:`\mu`, dampening
+    :math:`\tau`:
+
+    .. math::
+        d &= g + \lambda p \quad(\text{skipped when wd\_after\_momentum}) \\
+        b &\leftarrow d \text{ at the first step, else } \mu b + (1-\tau) d \\
+        d &\leftarrow d + \mu b \text{ (nesterov) or } b \\
+        d &\leftarrow d + \lambda p \quad(\text{only when wd\_after\_momentum}) \\
+        p &\leftarrow p - \eta d - c\,p
+
+    where :math:`c` is the fully decoupled decay with ``decouple_lr`` (then :math:`\lambda` is
+    not used as L2). ``wd_after_momentum`` is ColossalAI/apex FusedSGD's flag.
+    """
+
+    def __init__(
+        self,
+        params: ParamsT,
+        lr: float = 1e-3,
+        momentum: float = 0.0,
+        dampening: float = 0.0,
+        weight_decay: float = 0.0,
+        nesterov: bool = False,
+        *,
+        wd_after_momentum: bool = False,
+        maximize: bool = False,
+        foreach: bool | None = None,
+        fused: bool | None = None,
+        differentiable: bool = False,
+        kahan_sum: bool | None = None,
+        decouple_lr: bool = False,
+        max_lr: float | None = None,
+        fp32_state: bool = False,
+    ) -> None:
+        if differentiable:
+            raise ValueError("differentiable: not supported by lightning_optim.SGD; leave it False")
+        defaults = dict(
+            lr=lr,
+            momentum=momentum,
+            dampening=dampening,
+            weight_decay=weight_decay,
+            nesterov=nesterov,
+            wd_after_momentum=wd_after_momentum,
+            maximize=maximize,
+            foreach=foreach,
+            fused=fused,
+            kahan_sum=kahan_sum,
+            decouple_lr=decouple_lr,
+            max_lr=max_lr,
+            fp32_state=fp32_state,
+        )
+        super().__init__(params, defaults)
+
+    def _check_group(self, group: dict[str, Any]) -> None:
+        check_non_negative("momentum", group["momentum"])
+        check_unit_interval("dampening", group["dampening"], closed_right=True)
+        check_flag("nesterov", group["nesterov"])
+        check_flag("wd_after_momentum", group["wd_after_momentum"])
+        if group["nesterov"] and (group["momentum"] <= 0 or group["dampening"] != 0):
+            raise ValueError("nesterov: needs momentum > 0 and dampening = 0")
+
+    def _accumulation_blocker(self) -> str | None:
+        if any(g["momentum"] == 0 for g in self.param_groups):
+            return "SGD without momentum has no state to accumulate gradients into (set momentum > 0)"
+        return None
+
+    def _init_state(self, group: dict[str, Any], p: torch.Tensor, state: dict[str, Any], dtype: torch.dtype) -> None:
+        if group["momentum"] != 0:
+            state["momentum_buffer"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+
+    def _update(self, group: dict[str, Any], batch: Batch, apply: bool) -> None:
+        momentum, wd = group["momentum"], group["weight_decay"]
+        l2 = 0.0 if group["decouple_lr"] else wd
+        d = batch.grads if group["wd_after_momentum"] else self.with_l2(batch, l2)
+        if momentum != 0:
+            buf = batch.state("momentum_buffer")
+            if batch.step == 1:
+                torch._foreach_copy_(buf, d)
+            else:
+                torch._foreach_mul_(buf, momentum)
+                torch._foreach_add_(buf, d, alpha=1 - group["dampening"])
+            d = torch._foreach_add(d, buf, alpha=momentum) if group["nesterov"] else buf
+        if not apply:
+            return
+        if group["wd_after_momentum"] and l2 != 0:
+            d = torch._foreach_add(d, batch.params_compute, alpha=l2)
+        deltas = torch._foreach_mul(d, -group["lr"])
+        decay = self.decoupled_decay(group) if group["decouple_lr"] else 0.0
+        self._apply(batch, deltas, decay=decay)

@@ -1,0 +1,65 @@
+"""Argument checks shared by every optimizer.
+
+Each check raises before the optimizer exists, so nothing is ever half-built, and each
+message names the argument and the range it must lie in.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+
+def _finite_number(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__} ({value!r})")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    return float(value)
+
+
+def check_non_negative(name: str, value: object) -> float:
+    """``value`` must lie in [0, inf)."""
+    value = _finite_number(name, value)
+    if value < 0:
+        raise ValueError(f"{name} must be in [0, inf), got {value}")
+    return value
+
+
+def check_positive(name: str, value: object) -> float:
+    """``value`` must lie in (0, inf)."""
+    value = _finite_number(name, value)
+    if value <= 0:
+        raise ValueError(f"{name} must be in (0, inf), got {value}")
+    return value
+
+
+def check_unit_interval(name: str, value: object, *, closed_right: bool = False) -> float:
+    """``value`` must lie in [0, 1) (or [0, 1] with ``closed_right``)."""
+    value = _finite_number(name, value)
+    upper_ok = value <= 1 if closed_right else value < 1
+    if value < 0 or not upper_ok:
+        bracket = "]" if closed_right else ")"
+        raise ValueError(f"{name} must be in [0, 1{bracket}, got {value}")
+    return value
+
+
+def check_betas(betas: Sequence[float], count: int = 2, name: str = "betas") -> tuple[float, ...]:
+    """``betas`` must hold ``count`` numbers, each in [0, 1)."""
+    if isinstance(betas, (str, bytes)) or not isinstance(betas, Sequence) or len(betas) != count:
+        raise TypeError(f"{name} must be a sequence of {count} numbers in [0, 1), got {betas!r}")
+    return tuple(check_unit_interval(f"{name}[{i}]", b) for i, b in enumerate(betas))
+
+
+def check_flag(name: str, value: object) -> bool:
+    """``value`` must be a bool (catches strings such as ``"false"`` from configs)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
+def check_optional_flag(name: str, value: object) -> bool | None:
+    """``value`` must be True, False or None (None means: decide automatically)."""
+    if value is None:
+        return None
+    return check_flag(name, value)
