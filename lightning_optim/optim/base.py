@@ -300,11 +300,12 @@ class BaseOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ state dicts
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load like torch, but keep every state tensor's saved dtype.
+        """Load like torch, but keep every state tensor's saved dtype and own a copy.
 
-        torch casts floating-point state to the param dtype; fp32 moments or master weights of
-        a bf16 param would be rounded to bf16. Tensors whose dtype torch changed are re-copied
-        from the saved ones.
+        torch casts floating-point state to the param dtype (fp32 moments or master weights of
+        a bf16 param would be rounded to bf16), and keeps same-dtype tensors shared with the
+        given dict (two optimizers loaded from one in-memory dict would update one buffer).
+        Every state tensor is therefore copied from the saved one, in its saved dtype.
         """
         saved_state = state_dict["state"]
         super().load_state_dict(state_dict)
@@ -317,7 +318,7 @@ class BaseOptimizer(torch.optim.Optimizer):
                 continue
             state = self.state[p]
             for key, value in saved.items():
-                if isinstance(value, Tensor) and state[key].dtype != value.dtype:
+                if isinstance(value, Tensor):
                     state[key] = value.to(device=p.device, copy=True)
 
 
