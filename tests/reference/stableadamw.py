@@ -16,7 +16,8 @@ AdamW with per-tensor update clipping (AdaFactor-style RMS of g^2 / v). Per step
 optimi keeps the bias-corrected moments directly ("debiased betas"), which is algebraically the
 same as the explicit bias correction above. eps is added to sqrt(v_hat) (bias-corrected), and
 eps^2 floors v_hat inside the RMS. There is no L2 mode. Defaults follow optimi:
-betas=(0.9, 0.99), eps=1e-6, weight_decay=0.
+betas=(0.9, 0.99), eps=1e-6, weight_decay=1e-2 (optimi/stableadamw.py's signature and its docs:
+"The default weight decay of 0.01").
 
 ``max_lr`` defaults to the initial lr when ``decouple_lr=True``. ``self.lr`` may change between
 steps. Step counter per optimizer; ``None`` grads are skipped.
@@ -38,7 +39,7 @@ class RefStableAdamW:
         lr: float = 1e-3,
         betas: tuple[float, float] = (0.9, 0.99),
         eps: float = 1e-6,
-        weight_decay: float = 0.0,
+        weight_decay: float = 1e-2,
         decouple_lr: bool = False,
         max_lr: float | None = None,
     ):
