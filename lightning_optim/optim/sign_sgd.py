@@ -1,0 +1,105 @@
+"""SignSGD (Bernstein et al., arXiv 1802.04434) as mlbench-core's ``SignSGD``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from lightning_optim.optim.base import BaseOptimizer, Batch, ParamsT
+from lightning_optim.optim.validation import check_flag, check_non_negative, check_unit_interval
+
+__all__ = ["SignSGD"]
+
+
+class SignSGD(BaseOptimizer):
+    r"""Steps of size ``lr`` along the sign of torch-SGD's momentum direction (mlbench-core).
+
+    With gradient :math:`g`, L2 coefficient :math:`\lambda`, momentum :math:`\mu`, dampening
+    :math:`\tau`:
+
+    .. math::
+        d &= g + \lambda p \\
+        b &\leftarrow d \text{ at the first step, else } \mu b + (1-\tau) d \\
+        d &\leftarrow d + \mu b \text{ (nesterov) or } b \quad(\text{only when } \mu \ne 0) \\
+        p &\leftarrow p - \eta\,\mathrm{sign}(d) - c\,p
+
+    (:math:`\mathrm{sign}(0) = 0`). With ``decouple_lr`` the decay is not an L2 term but the fully
+    decoupled :math:`c = \lambda\eta/\eta_{max}`; otherwise :math:`c = 0`. mlbench adds the L2 term
+    to ``p.grad`` in place; here the gradients are left untouched.
+
+    Args:
+        lr: learning rate (step size), >= 0.
+        momentum: momentum factor, >= 0 (0: plain signSGD, no state).
+        dampening: momentum dampening, in [0, 1].
+        weight_decay: L2 penalty (inside the sign), or fully decoupled decay with ``decouple_lr``.
+        nesterov: Nesterov momentum (needs momentum > 0 and dampening 0, as torch's SGD).
+        maximize: maximize the objective instead.
+        foreach, kahan_sum, decouple_lr, max_lr, fp32_state: see :class:`BaseOptimizer`.
+    """
+
+    def __init__(
+        self,
+        params: ParamsT,
+        lr: float,
+        momentum: float = 0.0,
+        dampening: float = 0.0,
+        weight_decay: float = 0.0,
+        nesterov: bool = False,
+        *,
+        maximize: bool = False,
+        foreach: bool | None = None,
+        kahan_sum: bool | None = None,
+        decouple_lr: bool = False,
+        max_lr: float | None = None,
+        fp32_state: bool = False,
+    ) -> None:
+        defaults = dict(
+            lr=lr,
+            momentum=momentum,
+            dampening=dampening,
+            weight_decay=weight_decay,
+            nesterov=nesterov,
+            maximize=maximize,
+            foreach=foreach,
+            kahan_sum=kahan_sum,
+            decouple_lr=decouple_lr,
+            max_lr=max_lr,
+            fp32_state=fp32_state,
+        )
+        super().__init__(params, defaults)
+
+    def _check_group(self, group: dict[str, Any]) -> None:
+        check_non_negative("momentum", group["momentum"])
+        check_unit_interval("dampening", group["dampening"], closed_right=True)
+        check_flag("nesterov", group["nesterov"])
+        if group["nesterov"] and (group["momentum"] <= 0 or group["dampening"] != 0):
+            raise ValueError("nesterov: needs momentum > 0 and dampening = 0")
+
+    def _accumulation_blocker(self) -> str | None:
+        if any(g["momentum"] == 0 for g in self.param_groups):
+            return "SignSGD without momentum has no state to accumulate gradients into (set momentum > 0)"
+        return None
+
+    def _init_state(self, group: dict[str, Any], p: torch.Tensor, state: dict[str, Any], dtype: torch.dtype) -> None:
+        if group["momentum"] != 0:
+            state["momentum_buffer"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+
+    def _update(self, group: dict[str, Any], batch: Batch, apply: bool) -> None:
+        momentum = group["momentum"]
+        l2 = 0.0 if group["decouple_lr"] else group["weight_decay"]
+        d = self.with_l2(batch, l2)
+        if momentum != 0:
+            buf = batch.state("momentum_buffer")
+            if batch.step == 1:
+                torch._foreach_copy_(buf, d)
+            else:
+                torch._foreach_mul_(buf, momentum)
+                torch._foreach_add_(buf, d, alpha=1 - group["dampening"])
+            d = torch._foreach_add(d, buf, alpha=momentum) if group["nesterov"] else buf
+        if not apply:
+            return
+        deltas = torch._foreach_sign(d)
+        torch._foreach_mul_(deltas, -group["lr"])
+        decay = self.decoupled_decay(group) if group["decouple_lr"] else 0.0
+        self._apply(batch, deltas, decay=decay)
