@@ -7,8 +7,12 @@ from lightning_optim.optim.base import BaseOptimizer
 from lightning_optim.optim.lamb import FusedLamb, Lamb
 from lightning_optim.optim.lars import Lars
 from lightning_optim.optim.lion import Lion
+from lightning_optim.optim.radam import RAdam
+from lightning_optim.optim.ranger import Ranger
 from lightning_optim.optim.release import prepare_for_gradient_release, remove_gradient_release
 from lightning_optim.optim.sgd import SGD
+from lightning_optim.optim.sign_sgd import SignSGD
+from lightning_optim.optim.sparsified_sgd import SparsifiedSGD
 from lightning_optim.optim.stableadamw import StableAdamW
 
 __all__ = [
@@ -23,7 +27,11 @@ __all__ = [
     "Lamb",
     "Lars",
     "Lion",
+    "RAdam",
+    "Ranger",
     "SGD",
+    "SignSGD",
+    "SparsifiedSGD",
     "StableAdamW",
     "prepare_for_gradient_release",
     "remove_gradient_release",

@@ -158,9 +158,12 @@ class BaseOptimizer(torch.optim.Optimizer):
         # Collect and check every gradient first: bad input must not leave a half-done step.
         work = [(group, self._params_with_grad(group)) for group in self.param_groups]
         self._before_step(work)
-        for group, params in work:
-            if params:
-                self._step_params(group, params)
+        try:
+            for group, params in work:
+                if params:
+                    self._step_params(group, params)
+        finally:
+            self._after_step()
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -170,6 +173,9 @@ class BaseOptimizer(torch.optim.Optimizer):
 
     def _before_step(self, work: list[tuple[dict[str, Any], list[Tensor]]]) -> None:
         """Hook for whole-model work before any update (LAMB's global grad-norm clipping)."""
+
+    def _after_step(self) -> None:
+        """Hook run after every ``step()``, also when it raised (drop per-step caches)."""
 
     def _params_with_grad(self, group: dict[str, Any]) -> list[Tensor]:
         params = [p for p in group["params"] if p.grad is not None]
@@ -198,9 +204,12 @@ class BaseOptimizer(torch.optim.Optimizer):
     def _init_state(self, group: dict[str, Any], p: Tensor, state: dict[str, Any], dtype: torch.dtype) -> None:
         """Subclasses create their state tensors (in ``dtype``) here."""
 
+    # Optimizers whose math must see one tensor at a time, in parameter order (random draws).
+    per_tensor = False
+
     def _step_params(self, group: dict[str, Any], params: list[Tensor]) -> None:
         states = [self._state_for(group, p) for p in params]
-        if group.get("foreach") is False:
+        if group.get("foreach") is False or self.per_tensor:
             buckets = [[i] for i in range(len(params))]
         else:
             by_key: dict[tuple, list[int]] = {}
@@ -241,23 +250,31 @@ class BaseOptimizer(torch.optim.Optimizer):
         return wd * lr
 
     @staticmethod
-    def with_l2(batch: Batch, weight_decay: float) -> list[Tensor]:
-        """``g + wd * p`` as new tensors (the caller's grads stay untouched)."""
-        if weight_decay == 0:
-            return batch.grads
-        return torch._foreach_add(batch.grads, batch.params_compute, alpha=weight_decay)
+    def with_l2(batch: Batch, weight_decay: float, grads: list[Tensor] | None = None) -> list[Tensor]:
+        """``g + wd * p`` as new tensors (the caller's grads stay untouched).
 
-    def _apply(self, batch: Batch, deltas: list[Tensor], decay: float = 0.0) -> None:
+        ``grads`` defaults to ``batch.grads`` (LAMB passes its clipped gradients).
+        """
+        grads = batch.grads if grads is None else grads
+        if weight_decay == 0:
+            return grads
+        return torch._foreach_add(grads, batch.params_compute, alpha=weight_decay)
+
+    def _apply(self, batch: Batch, deltas: list[Tensor], decay: float | list[float] = 0.0) -> None:
         """``p <- p + delta - decay * p``, Kahan-compensated for low-precision params.
 
+        ``decay`` is one coefficient for the batch or one per tensor (StableAdamW's clipped lr).
         ``deltas`` is scratch owned by the caller and may be consumed.
         """
         params = batch.params
         kahan = "kahan_comp" in batch.states[0]
-        if decay != 0 and (kahan or params[0].dtype != deltas[0].dtype):
-            torch._foreach_add_(deltas, batch.params_compute, alpha=-decay)
-        elif decay != 0:
-            torch._foreach_mul_(params, 1 - decay)  # torch's order: decay, then the step
+        decays = decay if isinstance(decay, list) else [decay] * len(params)
+        if any(decays):
+            if kahan or params[0].dtype != deltas[0].dtype:
+                torch._foreach_add_(deltas, torch._foreach_mul(batch.params_compute, [-c for c in decays]))
+            else:
+                torch._foreach_mul_(params, [1 - c for c in decays])  # torch's order: decay, then step
+        batch._params_compute = None  # the params are about to change
         if kahan:
             comps = batch.state("kahan_comp")
             y = torch._foreach_add([d.float() for d in deltas], [c.float() for c in comps])

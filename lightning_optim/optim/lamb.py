@@ -4,7 +4,6 @@ arXiv 1904.00962): the union of DeepSpeed ``FusedLamb``, ColossalAI ``Lamb`` and
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -14,15 +13,6 @@ from lightning_optim.optim.base import BaseOptimizer, Batch, ParamsT
 from lightning_optim.optim.validation import check_betas, check_flag, check_non_negative, check_positive
 
 __all__ = ["Lamb", "FusedLamb"]
-
-
-def _check_max_coeff(value: object) -> float:
-    """``max_coeff`` lies in (0, inf]; ``inf`` switches the upper clamp off (apex FusedLAMB)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
-        raise TypeError(f"max_coeff must be a real number in (0, inf], got {value!r}")
-    if value <= 0:
-        raise ValueError(f"max_coeff must be in (0, inf], got {value}")
-    return float(value)
 
 
 class Lamb(BaseOptimizer):
@@ -141,7 +131,7 @@ class Lamb(BaseOptimizer):
             check_flag(flag, group[flag])
         if check_non_negative("max_grad_norm", group["max_grad_norm"]) > 0 and self.gradient_release:
             raise ValueError("max_grad_norm: global grad-norm clipping is not possible under gradient release")
-        max_coeff = _check_max_coeff(group["max_coeff"])
+        max_coeff = check_positive("max_coeff", group["max_coeff"], allow_inf=True)  # inf: apex, no clamp
         min_coeff = check_non_negative("min_coeff", group["min_coeff"])
         if min_coeff > max_coeff:
             raise ValueError(f"min_coeff must be in [0, max_coeff={max_coeff}], got {min_coeff}")
@@ -156,12 +146,8 @@ class Lamb(BaseOptimizer):
         state["exp_avg_sq"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
         state["lamb_coeff"] = torch.ones((), dtype=dtype, device=p.device)
 
-    @torch.no_grad()
-    def step(self, closure=None):  # noqa: D102 - BaseOptimizer.step
-        try:
-            return super().step(closure)
-        finally:
-            self._global_grad_norm = None  # never reused by a later step or step_param
+    def _after_step(self) -> None:
+        self._global_grad_norm = None  # never reused by a later step or step_param
 
     def _before_step(self, work: list[tuple[dict[str, Any], list[Tensor]]]) -> None:
         if any(group["max_grad_norm"] > 0 and params for group, params in work):
@@ -176,8 +162,8 @@ class Lamb(BaseOptimizer):
                 raise RuntimeError("max_grad_norm: global clipping needs step(); it cannot run per parameter")
             divisor = (self._global_grad_norm / group["max_grad_norm"]).clamp(min=1.0)
             grads = torch._foreach_div(grads, divisor.to(grads[0].device))
-        if not group["adam_w_mode"] and wd != 0:
-            grads = torch._foreach_add(grads, batch.params_compute, alpha=wd)
+        if not group["adam_w_mode"]:
+            grads = self.with_l2(batch, wd, grads)
         exp_avg, exp_avg_sq = batch.state("exp_avg"), batch.state("exp_avg_sq")
         torch._foreach_mul_(exp_avg, beta1)
         torch._foreach_add_(exp_avg, grads, alpha=1 - beta1 if group["grad_averaging"] else 1.0)

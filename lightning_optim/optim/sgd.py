@@ -9,7 +9,25 @@ import torch
 from lightning_optim.optim.base import BaseOptimizer, Batch, ParamsT
 from lightning_optim.optim.validation import check_flag, check_non_negative, check_unit_interval
 
-__all__ = ["SGD"]
+__all__ = ["SGD", "momentum_direction"]
+
+
+def momentum_direction(group: dict[str, Any], batch: Batch, d: list[torch.Tensor]) -> list[torch.Tensor]:
+    """torch-SGD's heavy-ball/Nesterov direction from ``d``, updating ``momentum_buffer``.
+
+    ``b <- d`` at the first step, else ``b <- mu b + (1 - dampening) d``; returns ``d + mu b``
+    (nesterov) or ``b``; ``d`` itself when momentum is 0. SGD and SignSGD share it.
+    """
+    momentum = group["momentum"]
+    if momentum == 0:
+        return d
+    buf = batch.state("momentum_buffer")
+    if batch.step == 1:
+        torch._foreach_copy_(buf, d)
+    else:
+        torch._foreach_mul_(buf, momentum)
+        torch._foreach_add_(buf, d, alpha=1 - group["dampening"])
+    return torch._foreach_add(d, buf, alpha=momentum) if group["nesterov"] else buf
 
 
 class SGD(BaseOptimizer):
@@ -85,17 +103,9 @@ class SGD(BaseOptimizer):
             state["momentum_buffer"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
 
     def _update(self, group: dict[str, Any], batch: Batch, apply: bool) -> None:
-        momentum, wd = group["momentum"], group["weight_decay"]
-        l2 = 0.0 if group["decouple_lr"] else wd
+        l2 = 0.0 if group["decouple_lr"] else group["weight_decay"]
         d = batch.grads if group["wd_after_momentum"] else self.with_l2(batch, l2)
-        if momentum != 0:
-            buf = batch.state("momentum_buffer")
-            if batch.step == 1:
-                torch._foreach_copy_(buf, d)
-            else:
-                torch._foreach_mul_(buf, momentum)
-                torch._foreach_add_(buf, d, alpha=1 - group["dampening"])
-            d = torch._foreach_add(d, buf, alpha=momentum) if group["nesterov"] else buf
+        d = momentum_direction(group, batch, d)
         if not apply:
             return
         if group["wd_after_momentum"] and l2 != 0:

@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from lightning_optim.optim.base import BaseOptimizer, Batch, ParamsT
+from lightning_optim.optim.sgd import momentum_direction
 from lightning_optim.optim.validation import check_flag, check_non_negative, check_unit_interval
 
 __all__ = ["SignSGD"]
@@ -86,17 +87,8 @@ class SignSGD(BaseOptimizer):
             state["momentum_buffer"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
 
     def _update(self, group: dict[str, Any], batch: Batch, apply: bool) -> None:
-        momentum = group["momentum"]
         l2 = 0.0 if group["decouple_lr"] else group["weight_decay"]
-        d = self.with_l2(batch, l2)
-        if momentum != 0:
-            buf = batch.state("momentum_buffer")
-            if batch.step == 1:
-                torch._foreach_copy_(buf, d)
-            else:
-                torch._foreach_mul_(buf, momentum)
-                torch._foreach_add_(buf, d, alpha=1 - group["dampening"])
-            d = torch._foreach_add(d, buf, alpha=momentum) if group["nesterov"] else buf
+        d = momentum_direction(group, batch, self.with_l2(batch, l2))
         if not apply:
             return
         deltas = torch._foreach_sign(d)

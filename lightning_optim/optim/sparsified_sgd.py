@@ -125,9 +125,7 @@ class SparsifiedSGD(BaseOptimizer):
         state["memory"] = torch.zeros(p.shape, dtype=dtype, device=p.device)
         state["estimated_w"] = p.detach().to(dtype, copy=True)
 
-    def _step_params(self, group: dict[str, Any], params: list[Tensor]) -> None:
-        # One tensor at a time, in parameter order: the random draws are made in that order.
-        super()._step_params({**group, "foreach": False}, params)
+    per_tensor = True  # one tensor at a time, in parameter order: the random draws follow it
 
     # ------------------------------------------------------------------ the update
     def _update(self, group: dict[str, Any], batch: Batch, apply: bool) -> None:

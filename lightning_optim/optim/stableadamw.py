@@ -110,21 +110,4 @@ class StableAdamW(BaseOptimizer):
         torch._foreach_add_(v_hat, eps)
         deltas = torch._foreach_div(exp_avg, v_hat)
         torch._foreach_mul_(deltas, [-lr_t / bc1 for lr_t in lrs])
-        self._apply_clipped_decay(group, batch, deltas, lrs)
-        self._apply(batch, deltas)
-
-    def _apply_clipped_decay(self, group: dict[str, Any], batch: Batch, deltas: list[torch.Tensor],
-                             lrs: list[float]) -> None:
-        """Decay each tensor with its own clipped lr, as ``_apply`` does with a single one.
-
-        Decays the params in place (torch's order: decay, then the step) when ``_apply`` would
-        add the deltas straight into them; otherwise folds ``-kappa_t p`` into the deltas.
-        """
-        decays = [self.decoupled_decay(group, lr=lr_t) for lr_t in lrs]
-        if not any(decays):
-            return
-        kahan = "kahan_comp" in batch.states[0]
-        if kahan or batch.params[0].dtype != deltas[0].dtype:
-            torch._foreach_add_(deltas, torch._foreach_mul(batch.params_compute, [-c for c in decays]))
-        else:
-            torch._foreach_mul_(batch.params, [1 - c for c in decays])
+        self._apply(batch, deltas, decay=[self.decoupled_decay(group, lr=lr_t) for lr_t in lrs])

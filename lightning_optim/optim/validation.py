@@ -26,11 +26,13 @@ def check_non_negative(name: str, value: object) -> float:
     return value
 
 
-def check_positive(name: str, value: object) -> float:
-    """``value`` must lie in (0, inf)."""
+def check_positive(name: str, value: object, *, allow_inf: bool = False) -> float:
+    """``value`` must lie in (0, inf) (or (0, inf] with ``allow_inf``)."""
+    if allow_inf and value == math.inf:
+        return math.inf
     value = _finite_number(name, value)
     if value <= 0:
-        raise ValueError(f"{name} must be in (0, inf), got {value}")
+        raise ValueError(f"{name} must be in (0, inf{']' if allow_inf else ')'}, got {value}")
     return value
 
 

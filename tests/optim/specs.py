@@ -28,11 +28,6 @@ class Spec:
         return self.name
 
 
-def _maybe(name: str, **spec_kwargs: Any) -> list[Spec]:
-    """Specs for optimizers that other work may not have landed yet."""
-    return [Spec(name, **spec_kwargs)] if hasattr(lo, name) else []
-
-
 SPECS: list[Spec] = [
     Spec("Adam", dict(lr=1e-2, weight_decay=0.1, amsgrad=True)),
     Spec("AdamW", dict(lr=1e-2, weight_decay=0.1)),
@@ -40,13 +35,15 @@ SPECS: list[Spec] = [
     Spec("FusedAdam", dict(lr=1e-2, weight_decay=0.1)),
     Spec("CPUAdam", dict(lr=1e-2, weight_decay=0.1)),
     Spec("FusedSGD", dict(lr=1e-2, momentum=0.9, wd_after_momentum=True, weight_decay=0.1)),
-    *_maybe("Lamb", kwargs=dict(lr=1e-2, weight_decay=0.1)),
-    *_maybe("FusedLamb", kwargs=dict(lr=1e-2, weight_decay=0.1)),
-    *_maybe("Lars", kwargs=dict(lr=1.0, momentum=0.9, weight_decay=1e-3), kahan_lr=1e-1),
-    *_maybe("Lion", kwargs=dict(lr=1e-3, weight_decay=0.1)),
-    *_maybe("Adan", kwargs=dict(lr=1e-2, weight_decay=0.02)),
-    *_maybe("RAdam", kwargs=dict(lr=1e-2, weight_decay=0.1)),
-    *_maybe("Ranger", kwargs=dict(lr=1e-2, weight_decay=0.1)),
-    *_maybe("StableAdamW", kwargs=dict(lr=1e-2, weight_decay=0.1)),
-    *_maybe("SignSGD", kwargs=dict(lr=1e-3, momentum=0.9, weight_decay=0.1)),
+    Spec("Lamb", dict(lr=1e-2, weight_decay=0.1)),
+    Spec("FusedLamb", dict(lr=1e-2, weight_decay=0.1)),
+    Spec("Lars", dict(lr=1.0, momentum=0.9, weight_decay=1e-3), kahan_lr=1e-1),
+    Spec("Lion", dict(lr=1e-3, weight_decay=0.1)),
+    Spec("Adan", dict(lr=1e-2, weight_decay=0.02)),
+    Spec("RAdam", dict(lr=1e-2, weight_decay=0.1)),
+    Spec("Ranger", dict(lr=1e-2, weight_decay=0.1)),
+    Spec("StableAdamW", dict(lr=1e-2, weight_decay=0.1)),
+    Spec("SignSGD", dict(lr=1e-3, momentum=0.9, weight_decay=0.1)),
+    # top-k selection: the random modes need a freshly seeded generator per instance
+    Spec("SparsifiedSGD", dict(lr=1e-1, sparse_grad_size=4, mode="topk", weight_decay=0.01)),
 ]
