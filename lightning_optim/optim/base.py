@@ -25,6 +25,7 @@ itself); put scratch results in fresh lists; hand the final parameter delta to `
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -86,6 +87,7 @@ class BaseOptimizer(torch.optim.Optimizer):
     def __init__(self, params: ParamsT, defaults: dict[str, Any]) -> None:
         self._optimizer_accumulation = False
         self._released = False
+        self._warned_kahan = False
         self._group_index: dict[int, int] | None = None
         super().__init__(params, defaults)
 
@@ -189,6 +191,13 @@ class BaseOptimizer(torch.optim.Optimizer):
         return p.dtype
 
     def _uses_kahan(self, group: dict[str, Any], p: Tensor) -> bool:
+        if group.get("kahan_sum") and p.dtype not in LOW_PRECISION and not self._warned_kahan:
+            self._warned_kahan = True
+            warnings.warn(
+                f"kahan_sum=True has no effect on {p.dtype} params: only float16/bfloat16 params "
+                "lose updates to rounding, so they alone get a compensation buffer",
+                stacklevel=4,
+            )
         return p.dtype in LOW_PRECISION and group.get("kahan_sum") is not False
 
     def _state_for(self, group: dict[str, Any], p: Tensor) -> dict[str, Any]:

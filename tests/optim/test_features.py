@@ -234,3 +234,11 @@ def test_gradient_release_refuses_foreign_optimizers_and_params():
         lo.prepare_for_gradient_release(model, torch.optim.Adam(model.parameters()))
     with pytest.raises(ValueError, match="model"):
         lo.prepare_for_gradient_release(model, lo.Adam(make_params()))
+
+
+def test_kahan_on_fp32_params_warns_once():
+    params = make_params()
+    opt = lo.AdamW(params, kahan_sum=True)
+    with pytest.warns(UserWarning, match="kahan_sum=True has no effect"):
+        run_steps(opt, params, grad_stream(steps=2))
+    assert not any("kahan_comp" in opt.state[p] for p in params)
