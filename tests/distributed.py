@@ -1,0 +1,167 @@
+"""Multi-process test harness: run a function on ``world_size`` real gloo ranks.
+
+    results = run_workers(2, my_fn, 3.0, timeout=60)   # my_fn(rank, world_size, 3.0) on each rank
+
+Each worker is a fresh process (``spawn`` start method) that joins a gloo process group over TCP
+on 127.0.0.1 (a free port picked by the parent), sets ``torch.set_num_threads(1)`` and calls
+``fn(rank, world_size, *args)``. ``fn`` must be a module-level (picklable) function; its return
+value must be picklable (tensors are fine: they travel as pickled bytes, not shared memory).
+
+Failure handling:
+* a rank that raises -> ``WorkerError`` carrying that rank's traceback text (the other ranks are
+  given a short grace period to report their own errors, then killed);
+* ``timeout`` seconds pass (whole run) -> every process is killed and ``TimeoutError`` is raised;
+* a rank that exits without reporting -> ``WorkerError`` unless ``missing_ok=True``, in which case
+  its entry in the returned list is ``None`` (for tests that make a rank die on purpose).
+
+``pg_timeout`` is the process group's collective timeout (default: ``timeout``); ``env`` is applied
+to ``os.environ`` in each child before the process group is created.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import queue as queue_mod
+import socket
+import time
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as tmp
+
+__all__ = ["run_workers", "free_port", "WorkerError"]
+
+_ERROR_GRACE_S = 3.0
+
+
+class WorkerError(RuntimeError):
+    """A worker rank raised (or died); the message holds the child's traceback."""
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world_size, port, fn, args, env, pg_timeout, results):
+    if env:
+        os.environ.update({str(k): str(v) for k, v in env.items()})
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(
+            "gloo",
+            rank=rank,
+            world_size=world_size,
+            init_method=f"tcp://127.0.0.1:{port}",
+            timeout=timedelta(seconds=pg_timeout),
+        )
+        out = fn(rank, world_size, *args)
+        message = ("ok", pickle.dumps(out))
+    except BaseException:  # noqa: BLE001 - everything goes back to the parent
+        message = ("error", traceback.format_exc())
+    results.put((rank, message))
+    try:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - the result is already reported
+        pass
+
+
+def _kill(procs) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    deadline = time.monotonic() + 2.0
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join(1.0)
+
+
+def run_workers(
+    world_size: int,
+    fn,
+    *args,
+    timeout: float = 120.0,
+    env: dict | None = None,
+    pg_timeout: float | None = None,
+    missing_ok: bool = False,
+) -> list:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return results by rank."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    ctx = tmp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    pg_timeout = float(timeout if pg_timeout is None else pg_timeout)
+    procs = [
+        ctx.Process(
+            target=_worker,
+            args=(r, world_size, port, fn, args, env, pg_timeout, results),
+            daemon=True,
+        )
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+
+    outputs: dict[int, object] = {}
+    errors: dict[int, str] = {}
+    start = time.monotonic()
+    error_seen_at = None
+    try:
+        while len(outputs) + len(errors) < world_size:
+            now = time.monotonic()
+            if now - start > timeout:
+                pending = sorted(set(range(world_size)) - set(outputs) - set(errors))
+                _kill(procs)
+                detail = "".join(f"\n--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
+                raise TimeoutError(
+                    f"run_workers({fn.__name__}) timed out after {timeout:.0f}s; ranks still "
+                    f"running: {pending}" + detail
+                )
+            if error_seen_at is not None and now - error_seen_at > _ERROR_GRACE_S:
+                break
+            try:
+                rank, (kind, payload) = results.get(timeout=0.05)
+            except queue_mod.Empty:
+                # a process that is dead and has reported nothing will never report
+                reported = set(outputs) | set(errors)
+                dead = [r for r, p in enumerate(procs) if r not in reported and not p.is_alive()]
+                if dead:
+                    # its message may still be in the pipe: drain once more before judging
+                    try:
+                        rank, (kind, payload) = results.get(timeout=0.5)
+                    except queue_mod.Empty:
+                        for r in dead:
+                            if missing_ok:
+                                outputs[r] = None
+                            else:
+                                errors[r] = (
+                                    f"rank {r} exited with code {procs[r].exitcode} "
+                                    "without reporting a result\n"
+                                )
+                                error_seen_at = error_seen_at or time.monotonic()
+                        continue
+                else:
+                    continue
+            if kind == "ok":
+                outputs[rank] = pickle.loads(payload)
+            else:
+                errors[rank] = payload
+                error_seen_at = error_seen_at or time.monotonic()
+    finally:
+        _kill(procs)
+        results.close()
+
+    if errors:
+        detail = "".join(f"\n--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
+        raise WorkerError(
+            f"run_workers({fn.__name__}): rank(s) {sorted(errors)} failed:" + detail
+        )
+    return [outputs[r] for r in range(world_size)]
