@@ -6,11 +6,56 @@ import math
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from lightning_optim.optim.base import BaseOptimizer, Batch, ParamsT
 from lightning_optim.optim.validation import check_betas, check_flag, check_positive
 
-__all__ = ["Adam", "AdamW"]
+__all__ = ["Adam", "AdamW", "adam_first_moment_", "adam_second_moment_", "adam_denominator", "adam_deltas"]
+
+
+# The element-wise math of Adam, written once. The 1-bit optimizers (lightning_optim.onebit)
+# run the same formulas on averaged, local or compressed inputs, so they call these too.
+
+
+def adam_first_moment_(exp_avg: list[Tensor], grads: list[Tensor], beta1: float) -> None:
+    """``m <- beta1 m + (1 - beta1) g`` in place (as a lerp towards ``g``)."""
+    torch._foreach_lerp_(exp_avg, grads, 1 - beta1)
+
+
+def adam_second_moment_(exp_avg_sq: list[Tensor], grads: list[Tensor], beta2: float) -> None:
+    """``v <- beta2 v + (1 - beta2) g^2`` in place."""
+    torch._foreach_mul_(exp_avg_sq, beta2)
+    torch._foreach_addcmul_(exp_avg_sq, grads, grads, value=1 - beta2)
+
+
+def adam_denominator(exp_avg_sq: list[Tensor], bc2: float, eps: float, eps_inside_sqrt: bool = False) -> list[Tensor]:
+    """``sqrt(v) / sqrt(bc2) + eps``, or ``sqrt(v / bc2 + eps)`` with ``eps_inside_sqrt`` (new tensors)."""
+    if eps_inside_sqrt:
+        denom = torch._foreach_div(exp_avg_sq, bc2)
+        torch._foreach_add_(denom, eps)
+        torch._foreach_sqrt_(denom)
+        return denom
+    denom = torch._foreach_sqrt(exp_avg_sq)
+    torch._foreach_div_(denom, math.sqrt(bc2))
+    torch._foreach_add_(denom, eps)
+    return denom
+
+
+def adam_deltas(
+    exp_avg: list[Tensor],
+    exp_avg_sq: list[Tensor],
+    *,
+    lr: float,
+    bc1: float,
+    bc2: float,
+    eps: float,
+    eps_inside_sqrt: bool = False,
+) -> list[Tensor]:
+    """Adam's parameter delta ``-(lr / bc1) m / denominator`` (new tensors; decay not included)."""
+    deltas = torch._foreach_div(exp_avg, adam_denominator(exp_avg_sq, bc2, eps, eps_inside_sqrt))
+    torch._foreach_mul_(deltas, -lr / bc1)
+    return deltas
 
 
 class Adam(BaseOptimizer):
@@ -104,9 +149,8 @@ class Adam(BaseOptimizer):
         decoupled = group["decoupled_weight_decay"] or group["decouple_lr"]
         grads = batch.grads if decoupled else self.with_l2(batch, group["weight_decay"])
         exp_avg, exp_avg_sq = batch.state("exp_avg"), batch.state("exp_avg_sq")
-        torch._foreach_lerp_(exp_avg, grads, 1 - beta1)
-        torch._foreach_mul_(exp_avg_sq, beta2)
-        torch._foreach_addcmul_(exp_avg_sq, grads, grads, value=1 - beta2)
+        adam_first_moment_(exp_avg, grads, beta1)
+        adam_second_moment_(exp_avg_sq, grads, beta2)
         if group["amsgrad"]:
             max_sq = batch.state("max_exp_avg_sq")
             torch._foreach_maximum_(max_sq, exp_avg_sq)
@@ -116,11 +160,7 @@ class Adam(BaseOptimizer):
         bc1, bc2 = 1.0, 1.0
         if group["bias_correction"]:
             bc1, bc2 = 1 - beta1**batch.step, 1 - beta2**batch.step
-        denom = torch._foreach_sqrt(exp_avg_sq)
-        torch._foreach_div_(denom, math.sqrt(bc2))
-        torch._foreach_add_(denom, group["eps"])
-        deltas = torch._foreach_div(exp_avg, denom)
-        torch._foreach_mul_(deltas, -group["lr"] / bc1)
+        deltas = adam_deltas(exp_avg, exp_avg_sq, lr=group["lr"], bc1=bc1, bc2=bc2, eps=group["eps"])
         self._apply(batch, deltas, decay=self.decoupled_decay(group) if decoupled else 0.0)
 
 

@@ -9,10 +9,53 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_optim.optim.adam import adam_second_moment_
 from lightning_optim.optim.base import BaseOptimizer, Batch, ParamsT
 from lightning_optim.optim.validation import check_betas, check_flag, check_non_negative, check_positive
 
-__all__ = ["Lamb", "FusedLamb"]
+__all__ = ["Lamb", "FusedLamb", "lamb_first_moment_", "lamb_denominator", "lamb_direction", "trust_ratios"]
+
+
+# LAMB's element-wise math, written once; OnebitLamb (lightning_optim.onebit) calls it too.
+# The second moment is Adam's (adam_second_moment_).
+
+
+def lamb_first_moment_(exp_avg: list[Tensor], grads: list[Tensor], beta1: float, grad_averaging: bool = True) -> None:
+    """``m <- beta1 m + a g`` in place, ``a = 1 - beta1`` with ``grad_averaging``, else 1."""
+    torch._foreach_mul_(exp_avg, beta1)
+    torch._foreach_add_(exp_avg, grads, alpha=1 - beta1 if grad_averaging else 1.0)
+
+
+def lamb_denominator(exp_avg_sq: list[Tensor], bc2: float, eps: float, eps_inside_sqrt: bool = False) -> list[Tensor]:
+    """``sqrt(v / bc2) + eps``, or ``sqrt(v / bc2 + eps)`` with ``eps_inside_sqrt`` (new tensors)."""
+    denom = torch._foreach_div(exp_avg_sq, bc2)
+    if eps_inside_sqrt:
+        torch._foreach_add_(denom, eps)
+        torch._foreach_sqrt_(denom)
+    else:
+        torch._foreach_sqrt_(denom)
+        torch._foreach_add_(denom, eps)
+    return denom
+
+
+def lamb_direction(exp_avg: list[Tensor], denom: list[Tensor], bc1: float) -> list[Tensor]:
+    """The Adam-form direction ``(m / bc1) / denom`` (new tensors, decay not included)."""
+    update = torch._foreach_div(exp_avg, bc1)
+    torch._foreach_div_(update, denom)
+    return update
+
+
+def trust_ratios(params: list[Tensor], updates: list[Tensor], min_coeff: float, max_coeff: float) -> tuple[Tensor, Tensor]:
+    """Per tensor ``clamp(|p| / |u|, min_coeff, max_coeff)``, 1 where a norm is 0.
+
+    Returns the ratios (1-dim, one per tensor) and a bool mask: True where both norms were
+    non-zero, i.e. where the ratio was really measured.
+    """
+    p_norm = torch.stack(torch._foreach_norm(params))
+    u_norm = torch.stack(torch._foreach_norm(updates))
+    ratio = (p_norm / u_norm).clamp(min_coeff, max_coeff)
+    measured = (p_norm != 0) & (u_norm != 0)
+    return torch.where(measured, ratio, torch.ones_like(ratio)), measured
 
 
 class Lamb(BaseOptimizer):
@@ -165,34 +208,21 @@ class Lamb(BaseOptimizer):
         if not group["adam_w_mode"]:
             grads = self.with_l2(batch, wd, grads)
         exp_avg, exp_avg_sq = batch.state("exp_avg"), batch.state("exp_avg_sq")
-        torch._foreach_mul_(exp_avg, beta1)
-        torch._foreach_add_(exp_avg, grads, alpha=1 - beta1 if group["grad_averaging"] else 1.0)
-        torch._foreach_mul_(exp_avg_sq, beta2)
-        torch._foreach_addcmul_(exp_avg_sq, grads, grads, value=1 - beta2)
+        lamb_first_moment_(exp_avg, grads, beta1, group["grad_averaging"])
+        adam_second_moment_(exp_avg_sq, grads, beta2)
         if not apply:
             return
 
         bc1, bc2 = 1.0, 1.0
         if group["bias_correction"]:
             bc1, bc2 = 1 - beta1**batch.step, 1 - beta2**batch.step
-        denom = torch._foreach_div(exp_avg_sq, bc2)
-        if group["eps_inside_sqrt"]:
-            torch._foreach_add_(denom, group["eps"])
-            torch._foreach_sqrt_(denom)
-        else:
-            torch._foreach_sqrt_(denom)
-            torch._foreach_add_(denom, group["eps"])
-        update = torch._foreach_div(exp_avg, bc1)
-        torch._foreach_div_(update, denom)
+        update = lamb_direction(exp_avg, lamb_denominator(exp_avg_sq, bc2, group["eps"], group["eps_inside_sqrt"]), bc1)
         if group["adam_w_mode"] and wd != 0:
             torch._foreach_add_(update, batch.params_compute, alpha=wd)
 
         coeffs = batch.state("lamb_coeff")
         if not group["adam"] and (group["use_nvlamb"] or wd != 0):
-            p_norm = torch.stack(torch._foreach_norm(batch.params_compute))
-            u_norm = torch.stack(torch._foreach_norm(update))
-            ratio = (p_norm / u_norm).clamp(group["min_coeff"], group["max_coeff"])
-            ratio = torch.where((p_norm == 0) | (u_norm == 0), torch.ones_like(ratio), ratio)
+            ratio, _ = trust_ratios(batch.params_compute, update, group["min_coeff"], group["max_coeff"])
             torch._foreach_copy_(coeffs, ratio.unbind())
             torch._foreach_mul_(update, torch._foreach_mul(coeffs, -group["lr"]))
         else:
