@@ -1,0 +1,43 @@
+"""Full-precision averaging allreduce, counted in ``comm_stats()``."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .stats import CommStats, comm_stats
+from .timeouts import collective
+
+__all__ = ["allreduce_mean", "world_size"]
+
+_UPCAST = (torch.bfloat16, torch.float16)
+
+
+def world_size(group=None) -> int:
+    """Ranks in ``group``; 1 when torch.distributed is not initialized."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return dist.get_world_size(group)
+
+
+def allreduce_mean(tensor: Tensor, group=None, stats: CommStats | None = None) -> Tensor:
+    """Average ``tensor`` over the ranks of ``group`` in place (and return it).
+
+    The reduction runs in the tensor's dtype for fp32/fp64 and in fp32 for bf16/fp16 (gloo has no
+    bf16 allreduce; fp32 also avoids low-precision summation), then is cast back. World size 1 is a
+    no-op. Bytes are added to ``stats`` (default: ``comm_stats()``) by the ring rule, see ``stats``.
+    """
+    if not tensor.is_floating_point():
+        raise TypeError(f"allreduce_mean: tensor must be floating point, got {tensor.dtype}")
+    w = world_size(group)
+    if w == 1:
+        return tensor
+    direct = tensor.dtype not in _UPCAST and tensor.is_contiguous()
+    buf = tensor if direct else tensor.to(torch.float32 if tensor.dtype in _UPCAST else tensor.dtype,
+                                           memory_format=torch.contiguous_format, copy=True)
+    collective("all_reduce", dist.all_reduce, buf, group=group)
+    buf.div_(w)
+    if not direct:
+        tensor.copy_(buf)
+    (stats if stats is not None else comm_stats()).add_full_precision(buf.numel(), w, buf.element_size())
+    return tensor

@@ -1,0 +1,81 @@
+"""Byte counters for the collectives in ``lightning_optim.comm``.
+
+Counting rule (per rank, payload bytes only; TCP/IP and backend framing are not counted):
+* ``all_to_all_single`` with equal chunks: the chunks this rank sends to the *other* ranks,
+  ``(W - 1) * chunk_bytes`` (its own chunk never leaves the process);
+* ``all_gather``: this rank's contribution times ``W - 1`` (one copy to every other rank);
+* full-precision ``all_reduce`` (``allreduce_mean``): the nominal ring cost,
+  ``2 * (W - 1) / W * numel * element_size`` of the dtype actually sent (fp32 for bf16/fp16
+  inputs, which are upcast because gloo cannot reduce bf16);
+* ``W == 1``: nothing is sent, nothing is counted.
+
+``fp32_equivalent_bytes`` adds, for every reduced tensor, what a ring fp32 allreduce of it would
+send per rank: ``2 * (W - 1) / W * numel * 4``, so ``bytes_sent / fp32_equivalent_bytes`` is the
+compression ratio seen on the wire.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+__all__ = ["CommStats", "comm_stats", "reset_comm_stats", "ring_allreduce_bytes"]
+
+
+def ring_allreduce_bytes(numel: int, world_size: int, element_size: int = 4) -> int:
+    """Bytes one rank sends in a ring allreduce of ``numel`` elements: ``2 (W-1)/W * numel * size``."""
+    if world_size <= 1:
+        return 0
+    return (2 * (world_size - 1) * int(numel) * int(element_size)) // int(world_size)
+
+
+@dataclass
+class CommStats:
+    """Running totals for this process. See the module docstring for the counting rule."""
+
+    bytes_sent: int = 0
+    fp32_equivalent_bytes: int = 0
+    compressed_calls: int = 0
+    full_precision_calls: int = 0
+
+    def add_compressed(self, bytes_sent: int, numel: int, world_size: int) -> None:
+        self.bytes_sent += int(bytes_sent)
+        self.fp32_equivalent_bytes += ring_allreduce_bytes(numel, world_size)
+        self.compressed_calls += 1
+
+    def add_full_precision(self, numel: int, world_size: int, element_size: int) -> None:
+        self.bytes_sent += ring_allreduce_bytes(numel, world_size, element_size)
+        self.fp32_equivalent_bytes += ring_allreduce_bytes(numel, world_size)
+        self.full_precision_calls += 1
+
+    @property
+    def compression_ratio(self) -> float:
+        """``fp32_equivalent_bytes / bytes_sent`` (``1.0`` when nothing was sent)."""
+        return self.fp32_equivalent_bytes / self.bytes_sent if self.bytes_sent else 1.0
+
+    def copy(self) -> "CommStats":
+        return CommStats(**{f.name: getattr(self, f.name) for f in fields(self)})
+
+    def __sub__(self, other: "CommStats") -> "CommStats":
+        """Delta between two snapshots: ``now - before`` (e.g. per training step)."""
+        return CommStats(**{f.name: getattr(self, f.name) - getattr(other, f.name) for f in fields(self)})
+
+    def reset(self) -> None:
+        for f in fields(self):
+            setattr(self, f.name, 0)
+
+    def as_dict(self) -> dict:
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d["compression_ratio"] = self.compression_ratio
+        return d
+
+
+_DEFAULT = CommStats()
+
+
+def comm_stats() -> CommStats:
+    """The process-wide counter that the collectives add to (a live object, not a copy)."""
+    return _DEFAULT
+
+
+def reset_comm_stats() -> None:
+    """Zero the process-wide counter."""
+    _DEFAULT.reset()
