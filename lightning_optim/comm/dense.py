@@ -17,7 +17,10 @@ def world_size(group=None) -> int:
     """Ranks in ``group``; 1 when torch.distributed is not initialized."""
     if not (dist.is_available() and dist.is_initialized()):
         return 1
-    return dist.get_world_size(group)
+    size = dist.get_world_size(group)
+    if size < 1:
+        raise ValueError(f"this rank (global rank {dist.get_rank()}) is not a member of group {group!r}")
+    return size
 
 
 def allreduce_mean(tensor: Tensor, group=None, stats: CommStats | None = None) -> Tensor:

@@ -13,8 +13,7 @@ returned untouched, so ``param.grad`` holds this rank's own gradient and the opt
 Works on CPU/gloo: register it yourself after wrapping the model (Lightning's ``DDPStrategy``
 ignores ``ddp_comm_hook`` on CPU). ``register_switchable_allreduce`` does both steps.
 """
-from __future__ import annotations
-
+# no ``from __future__ import annotations``: DDP checks the hook's return annotation at runtime
 from dataclasses import dataclass, field
 
 import torch
@@ -38,13 +37,13 @@ class SwitchableAllreduceState:
     buckets_skipped: int = field(default=0)
 
 
-def _done(tensor: torch.Tensor) -> torch.futures.Future:
-    fut: torch.futures.Future = torch.futures.Future()
+def _done(tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    fut = torch.futures.Future()
     fut.set_result(tensor)
     return fut
 
 
-def switchable_allreduce_hook(state: SwitchableAllreduceState, bucket) -> torch.futures.Future:
+def switchable_allreduce_hook(state: SwitchableAllreduceState, bucket) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook: average the bucket when ``state.enabled``, else return it unchanged."""
     buffer = bucket.buffer()
     if not state.enabled:

@@ -5,12 +5,16 @@ it for every collective). A peer that dies usually closes its sockets, so gloo f
 "connection closed"; a peer that hangs or never arrives makes the collective fail when the timeout
 expires. Either way the backend raises a ``RuntimeError`` (``DistBackendError``); ``collective``
 re-raises it as ``CommunicationError`` naming the collective, the elapsed time and the likely cause.
+
+Sub-groups carry their own timeout: ``dist.new_group(ranks)`` without ``timeout=`` was observed
+(torch 2.13, gloo) to get the 30-minute default, not the default group's value; pass it explicitly.
 """
 from __future__ import annotations
 
 import time
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
 __all__ = ["CommunicationError", "collective", "group_timeout"]
@@ -24,18 +28,17 @@ def group_timeout(group=None) -> float | None:
     """The process group's collective timeout in seconds, when torch exposes it."""
     try:
         pg = group if group is not None else dist.distributed_c10d._get_default_group()
-        backend = pg._get_backend(dist.distributed_c10d._get_pg_default_device(pg))
-        value = backend.options._timeout
+        value = pg._get_backend(torch.device("cpu")).options._timeout
     except Exception:  # noqa: BLE001 - best effort, only used in messages
         return None
     return value.total_seconds() if isinstance(value, timedelta) else None
 
 
 def collective(name: str, fn, *args, group=None, **kwargs):
-    """Call ``fn(*args, **kwargs)`` (a blocking collective); wrap any backend failure."""
+    """Call ``fn(*args, group=group, **kwargs)`` (a blocking collective); wrap any backend failure."""
     start = time.monotonic()
     try:
-        return fn(*args, **kwargs)
+        return fn(*args, group=group, **kwargs)
     except RuntimeError as exc:
         if isinstance(exc, CommunicationError):
             raise
