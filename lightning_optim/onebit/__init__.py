@@ -1,0 +1,19 @@
+"""Two-stage optimizers with 1-bit compressed communication (DeepSpeed's onebit family).
+
+* :class:`OnebitAdam` (arXiv 2102.02888): Adam warmup, then frozen variance + 1-bit momentum.
+* :class:`ZeroOneAdam` (arXiv 2202.06009): sparse variance updates, then 1-bit synchronised
+  local steps.
+* :class:`OnebitLamb` (arXiv 2104.06069): LAMB warmup, then 1-bit momentum with rescaled
+  frozen trust ratios.
+
+All three read :attr:`~OnebitOptimizer.needs_averaged_grads` out to the training loop (whether
+the next backward must be allreduced in full precision) and keep per-rank state (save one
+``state_dict()`` per rank).
+"""
+
+from lightning_optim.onebit.adam import OnebitAdam
+from lightning_optim.onebit.base import OnebitOptimizer
+from lightning_optim.onebit.lamb import OnebitLamb
+from lightning_optim.onebit.zoadam import ZeroOneAdam
+
+__all__ = ["OnebitAdam", "ZeroOneAdam", "OnebitLamb", "OnebitOptimizer"]

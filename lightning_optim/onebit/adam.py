@@ -1,0 +1,163 @@
+"""1-bit Adam (Tang et al., "1-bit Adam: Communication Efficient Large-Scale Training with Adam's
+Convergence Speed", arXiv 2102.02888), after DeepSpeed's ``onebit/adam.py``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch.distributed import ProcessGroup
+
+from lightning_optim.onebit.base import OnebitOptimizer, _Layout, check_step_count
+from lightning_optim.optim.adam import adam_deltas, adam_first_moment_, adam_second_moment_
+from lightning_optim.optim.base import ParamsT
+from lightning_optim.optim.validation import check_flag
+
+__all__ = ["OnebitAdam"]
+
+
+class OnebitAdam(OnebitOptimizer):
+    r"""1-bit Adam: Adam until ``freeze_step``, then a frozen variance and a 1-bit momentum.
+
+    Step :math:`t` (1-based) with this rank's gradient :math:`g_r`, :math:`W` ranks:
+
+    * **warmup**, :math:`t \le` ``freeze_step``: Adam (decoupled decay, as DeepSpeed) on the
+      rank-averaged gradient :math:`\bar g = \frac1W\sum_r g_r`:
+      :math:`m \leftarrow \beta_1 m + (1-\beta_1)\bar g,\ v \leftarrow \beta_2 v + (1-\beta_2)\bar g^2`.
+    * **compression**, :math:`t >` ``freeze_step``: :math:`v` stays as it was after step
+      ``freeze_step``; each rank updates the momentum from its LOCAL gradient,
+      :math:`m_r \leftarrow \beta_1 m + (1-\beta_1) g_r`, and the ranks agree on
+      :math:`m \leftarrow \mathrm{mask}\odot C(m_1..m_W)`, the error-compensated 1-bit average
+      (:func:`lightning_optim.comm.compressed_allreduce`) of the whole model's momenta in one
+      flat buffer, with one pair of error buffers per rank.
+
+    Both stages then step
+    :math:`p \leftarrow p - \eta\,\hat m / (\sqrt{\hat v} + \epsilon) - \eta\lambda p`, with
+    :math:`\hat m = m / (1-\beta_1^t)` and :math:`\hat v = v / (1-\beta_2^{\min(t, T)})`
+    (:math:`T` = ``freeze_step``: the variance's bias correction freezes with it) when
+    ``bias_correction``, and :math:`\sqrt{\hat v + \epsilon}` with ``eps_inside_sqrt``.
+
+    **Gradient averaging / DDP contract.** :attr:`needs_averaged_grads` says, after each step,
+    whether the next step wants rank-averaged gradients (True exactly while the next step is a
+    warmup step). With ``average_grads=True`` the optimizer averages them itself (one fp32
+    allreduce of all gradients): use it with plain PyTorch, or with DDP whose allreduce is off.
+    With ``average_grads=False`` the caller (the Lightning strategy's DDP comm hook) must hand
+    in averaged gradients whenever :attr:`needs_averaged_grads` was True before the backward,
+    and may skip DDP's allreduce otherwise. In the compression stage the optimizer always reads
+    ``p.grad`` as this rank's own gradient. Both stages therefore consume the same quantity,
+    the mean over ranks of whatever the caller accumulated per rank (accumulate the MEAN of
+    micro-batch gradients, e.g. ``loss / k``, and both stages see the mean gradient; the issue
+    this was written for reports that DeepSpeed's compression stage saw a sum).
+
+    **Checkpoints.** :meth:`state_dict` is per rank (it holds this rank's error buffers);
+    restoring each rank's own dict continues bitwise. See :class:`OnebitOptimizer`.
+
+    Differences from DeepSpeed: the first step updates the params (DeepSpeed only builds its
+    buffers); ``bias_correction`` and ``eps_inside_sqrt`` work (DeepSpeed ignores them: no bias
+    correction, eps outside); on one rank the momentum is used uncompressed; the error
+    buffers can be checkpointed (DeepSpeed drops them on load); momenta are compressed in one
+    flat buffer instead of per param; ``max_grad_norm`` is ignored with a warning (silently in
+    DeepSpeed); ``comm_backend_name``/``cuda_aware`` are accepted but communication goes
+    through the torch.distributed process group.
+
+    Args:
+        lr: learning rate, >= 0.
+        freeze_step: number of warmup (full-precision Adam) steps, >= 0.
+        bias_correction: bias-correct the moments (see above).
+        betas: moment coefficients, each in [0, 1).
+        eps: denominator term, > 0.
+        eps_inside_sqrt: :math:`\sqrt{\hat v + \epsilon}` instead of :math:`\sqrt{\hat v} + \epsilon`.
+        weight_decay: decoupled decay :math:`\lambda` >= 0 (``p -= lr * wd * p``; DeepSpeed's).
+        max_grad_norm: accepted, ignored (warns when > 0).
+        amsgrad: must be False (ValueError otherwise; DeepSpeed raises too).
+        cuda_aware, comm_backend_name: DeepSpeed config compatibility; no effect (warns when
+            not the default).
+        process_group: the ranks to average over (None: the default group).
+        average_grads: average full-precision gradients over ranks inside :meth:`step` when
+            they are needed (see above).
+        kahan_sum: Kahan-compensated updates of fp16/bf16 params (None: on for those dtypes).
+
+    Param groups may carry ``exp_avg_mask``: a tensor broadcastable to every param of the
+    group that multiplies the momentum after each compressed allreduce (for momenta with
+    constant exact zeros, which 1-bit codes cannot represent); the current mask survives
+    :meth:`load_state_dict`.
+    """
+
+    def __init__(
+        self,
+        params: ParamsT,
+        lr: float = 1e-3,
+        freeze_step: int = 100000,
+        bias_correction: bool = True,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        eps_inside_sqrt: bool = False,
+        weight_decay: float = 0.0,
+        max_grad_norm: float = 0.0,
+        amsgrad: bool = False,
+        cuda_aware: bool = False,
+        comm_backend_name: str = "nccl",
+        *,
+        process_group: ProcessGroup | None = None,
+        average_grads: bool = True,
+        kahan_sum: bool | None = None,
+    ) -> None:
+        if check_flag("amsgrad", amsgrad):
+            raise ValueError("amsgrad: 1-bit Adam does not support the AMSGrad variant; leave amsgrad=False")
+        self.freeze_step = check_step_count("freeze_step", freeze_step)
+        defaults = dict(
+            lr=lr,
+            bias_correction=bias_correction,
+            betas=betas,
+            eps=eps,
+            eps_inside_sqrt=eps_inside_sqrt,
+            weight_decay=weight_decay,
+            max_grad_norm=max_grad_norm,
+            kahan_sum=kahan_sum,
+        )
+        super().__init__(
+            params,
+            defaults,
+            process_group=process_group,
+            average_grads=average_grads,
+            cuda_aware=cuda_aware,
+            comm_backend_name=comm_backend_name,
+        )
+
+    @property
+    def in_compression_stage(self) -> bool:
+        """True once ``freeze_step`` steps are done (the next step compresses)."""
+        return self._sched["step"] >= self.freeze_step
+
+    def _needs_average(self, t: int) -> bool:
+        return t <= self.freeze_step
+
+    def _onebit_step(self, layout: _Layout, t: int) -> None:
+        grad_flat, _ = self._scratch(layout, "grad")
+        warmup = t <= self.freeze_step
+        if warmup and self.average_grads:
+            self._average_(grad_flat)
+        for gi, group, batch in self._batches(layout, t):
+            beta1, beta2 = group["betas"]
+            adam_first_moment_(batch.state("exp_avg"), batch.grads, beta1)
+            if warmup:
+                adam_second_moment_(batch.state("exp_avg_sq"), batch.grads, beta2)
+        if not warmup:
+            self._compress_(self._flat("exp_avg"))
+            self._mask_(layout, [self.state[p]["exp_avg"] for p in layout.params])
+        variance_steps = min(t, self.freeze_step)
+        for gi, group, batch in self._batches(layout, t):
+            beta1, beta2 = group["betas"]
+            bc1 = bc2 = 1.0
+            if group["bias_correction"]:
+                bc1 = 1 - beta1**t
+                bc2 = 1 - beta2**variance_steps if variance_steps else 1.0
+            deltas = adam_deltas(
+                batch.state("exp_avg"),
+                batch.state("exp_avg_sq"),
+                lr=group["lr"],
+                bc1=bc1,
+                bc2=bc2,
+                eps=group["eps"],
+                eps_inside_sqrt=group["eps_inside_sqrt"],
+            )
+            self._apply(batch, deltas, decay=group["lr"] * group["weight_decay"])

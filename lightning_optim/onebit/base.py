@@ -1,0 +1,435 @@
+"""What OnebitAdam, ZeroOneAdam and OnebitLamb share: the flat layout of the trained params,
+the communication calls, the stage counters, the per-rank checkpoint and the DDP contract.
+
+Every rank runs the same collectives in the same order, so the optimizers never skip a param:
+every param with ``requires_grad=True`` (in param-group order, fixed until that set changes)
+takes part in every step, and a param without a gradient on this rank counts as a zero
+gradient (as DDP treats unused params). The states that are communicated live in one flat
+fp32 buffer per state name (the per-param state tensors are views into it), so one call
+compresses or averages the whole model.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+import zlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_optim.comm import allreduce_mean, compressed_allreduce, error_buffer_sizes, make_error_buffers
+from lightning_optim.optim.base import BaseOptimizer, Batch, ParamsT, _check_grad
+from lightning_optim.optim.validation import check_betas, check_flag, check_non_negative, check_positive
+
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# comm_backend_name values DeepSpeed knows; we always talk through torch.distributed.
+_DEEPSPEED_BACKENDS = ("nccl", "mpi", "hccl", "compressed")
+
+
+class _Layout:
+    """The trained params of all groups, in group order, and their places in a flat buffer."""
+
+    def __init__(self, param_groups: list[dict[str, Any]]) -> None:
+        self.params: list[Tensor] = []
+        self.group_of: list[int] = []
+        for gi, group in enumerate(param_groups):
+            for p in group["params"]:
+                if p.requires_grad:
+                    self.params.append(p)
+                    self.group_of.append(gi)
+        self.key = tuple(id(p) for p in self.params)
+        self.offsets, offset = [], 0
+        for p in self.params:
+            self.offsets.append(offset)
+            offset += p.numel()
+        self.numel = offset
+        devices = {p.device for p in self.params}
+        if len(devices) > 1:
+            raise ValueError(f"params: 1-bit optimizers need every param on one device, got {sorted(map(str, devices))}")
+        self.device = devices.pop() if devices else torch.device("cpu")
+        self.buckets: list[tuple[int, list[int]]] = []  # filled once the states exist
+        self.scratch: dict[str, tuple[Tensor, list[Tensor]]] = {}
+
+    def views(self, flat: Tensor) -> list[Tensor]:
+        return [flat[o : o + p.numel()].view(p.shape) for o, p in zip(self.offsets, self.params)]
+
+    def signature(self) -> list[int]:
+        shapes = repr([tuple(p.shape) for p in self.params]).encode()
+        return [len(self.params), self.numel, zlib.crc32(shapes)]
+
+
+class OnebitOptimizer(BaseOptimizer):
+    """Base of the 1-bit optimizers. Subclasses define:
+
+    * ``_flat_keys`` / ``_lazy_flat_keys``: the per-param fp32 state tensors kept in flat
+      buffers, from the first step / from the stage that creates them with :meth:`_flat`;
+    * ``_initial_schedule()``: the stage counters (plain Python numbers, saved in checkpoints);
+    * ``_init_param_state(group, p, state)``: per-param scalars (the flat keys are made here);
+    * ``_onebit_step(layout, t)``: step ``t`` (1-based), grads already in ``self._grads``;
+    * ``_needs_average(t)``: whether step ``t`` consumes rank-averaged full-precision gradients.
+    """
+
+    _flat_keys: tuple[str, ...] = ("exp_avg", "exp_avg_sq")
+    _lazy_flat_keys: tuple[str, ...] = ()  # flat states created only in a later stage
+
+    def __init__(
+        self,
+        params: ParamsT,
+        defaults: dict[str, Any],
+        *,
+        process_group: Any,
+        average_grads: bool,
+        cuda_aware: bool,
+        comm_backend_name: str,
+    ) -> None:
+        self.average_grads = check_flag("average_grads", average_grads)
+        self.process_group = process_group
+        self._check_compat(cuda_aware, comm_backend_name, defaults.get("max_grad_norm", 0.0))
+        self._sched: dict[str, Any] = self._initial_schedule()
+        self._layout: _Layout | None = None
+        self._flats: dict[str, Tensor] = {}
+        self._worker_error: Tensor | None = None
+        self._server_error: Tensor | None = None
+        self._error_origin: tuple[int, int] | None = None  # (world size, rank) the errors belong to
+        super().__init__(params, defaults)
+
+    # ------------------------------------------------------------------ arguments
+    def _check_compat(self, cuda_aware: object, comm_backend_name: object, max_grad_norm: object) -> None:
+        name = type(self).__name__
+        check_flag("cuda_aware", cuda_aware)
+        if comm_backend_name not in _DEEPSPEED_BACKENDS + ("gloo",):
+            raise ValueError(f"comm_backend_name must be one of {_DEEPSPEED_BACKENDS + ('gloo',)}, got {comm_backend_name!r}")
+        if comm_backend_name not in ("nccl", "gloo") or cuda_aware:
+            warnings.warn(
+                f"{name}: comm_backend_name={comm_backend_name!r}, cuda_aware={cuda_aware} are accepted for "
+                "DeepSpeed config compatibility only; communication always goes through the torch.distributed "
+                "process group (its own backend: nccl, gloo, ...)",
+                UserWarning,
+                stacklevel=4,
+            )
+        if check_non_negative("max_grad_norm", max_grad_norm) > 0:
+            warnings.warn(
+                f"{name}: max_grad_norm is ignored (as in DeepSpeed); clip gradients before step(), e.g. with "
+                "Trainer(gradient_clip_val=...)",
+                UserWarning,
+                stacklevel=4,
+            )
+
+    def _check_group(self, group: dict[str, Any]) -> None:
+        check_betas(group["betas"])
+        check_positive("eps", group["eps"])
+        for flag in ("bias_correction", "eps_inside_sqrt"):
+            check_flag(flag, group[flag])
+        params = group["params"]
+        params = [params] if isinstance(params, Tensor) else list(params)
+        for p in params:
+            if p.dtype not in SUPPORTED_DTYPES:
+                raise TypeError(f"params: {type(self).__name__} supports float32/float16/bfloat16 params, got {p.dtype}")
+        mask = group.get("exp_avg_mask")
+        if mask is not None:
+            if not isinstance(mask, Tensor) or not mask.is_floating_point():
+                raise TypeError(f"exp_avg_mask must be a floating-point tensor, got {type(mask).__name__}")
+            for p in params:
+                try:
+                    fits = torch.broadcast_shapes(mask.shape, p.shape) == p.shape
+                except RuntimeError:
+                    fits = False
+                if not fits:
+                    raise ValueError(
+                        f"exp_avg_mask: shape {tuple(mask.shape)} does not broadcast to the param shape {tuple(p.shape)}"
+                    )
+
+    def _accumulation_blocker(self) -> str | None:
+        return "1-bit optimizers communicate in every step; accumulate gradients instead"
+
+    def _release_blocker(self) -> str | None:
+        return "1-bit optimizers communicate the whole model's momentum at once"
+
+    def _compute_dtype(self, group: dict[str, Any], p: Tensor) -> torch.dtype:
+        return torch.float32  # states, error buffers and communication are fp32 for every param dtype
+
+    # ------------------------------------------------------------------ the DDP contract
+    @property
+    def needs_averaged_grads(self) -> bool:
+        """Whether the NEXT ``step()`` consumes gradients averaged over ranks in full precision.
+
+        True: the gradients of the next backward must be averaged over ranks, by DDP (its
+        allreduce switched on, ``average_grads=False``) or by this optimizer
+        (``average_grads=True``). False: the optimizer communicates by itself and wants this
+        rank's local gradients; DDP's allreduce can be switched off for the next backward.
+        Equal on every rank.
+        """
+        return self._needs_average(self._sched["step"] + 1)
+
+    @property
+    def params_synchronized(self) -> bool:
+        """Whether the last step left the params identical on every rank (ZeroOneAdam's local
+        steps do not; checkpoint at a synchronised step or save the params per rank)."""
+        return True
+
+    @property
+    def global_step(self) -> int:
+        """The number of steps taken (every stage decision is made from it)."""
+        return self._sched["step"]
+
+    # ------------------------------------------------------------------ stepping
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        layout = self._prepare_layout()
+        grads = [p.grad for p in layout.params]
+        for p, g in zip(layout.params, grads):  # all checks before any state changes
+            if g is not None:
+                if g.is_sparse:
+                    raise ValueError(f"grad: {type(self).__name__} does not support sparse gradients")
+                _check_grad(p)
+        self._drop_foreign_errors()
+        flat, views = self._scratch(layout, "grad")
+        present = [i for i, g in enumerate(grads) if g is not None]
+        if present:
+            torch._foreach_copy_([views[i] for i in present], [grads[i] for i in present])
+        if len(present) < len(grads):
+            for i, g in enumerate(grads):
+                if g is None:
+                    views[i].zero_()
+        t = self._sched["step"] + 1
+        if layout.params:
+            self._onebit_step(layout, t)
+        self._sched["step"] = t
+        return loss
+
+    def _prepare_layout(self) -> _Layout:
+        current = self._layout
+        key = tuple(id(p) for group in self.param_groups for p in group["params"] if p.requires_grad)
+        if current is not None and current.key == key:
+            return current
+        layout = _Layout(self.param_groups)
+        self._check_same_params_on_every_rank(layout)
+        self._flats = {}
+        buckets: dict[tuple, list[int]] = {}
+        for i, (p, gi) in enumerate(zip(layout.params, layout.group_of)):
+            group = self.param_groups[gi]
+            state = self.state[p]
+            if not state:
+                self._init_param_state(group, p, state)
+                if self._uses_kahan(group, p):
+                    state["kahan_comp"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            buckets.setdefault((gi, p.dtype, "kahan_comp" in state), []).append(i)
+        layout.buckets = [(key[0], idx) for key, idx in buckets.items()]
+        self._layout = layout
+        for key in self._flat_keys:
+            self._flat(key)
+        for key in self._lazy_flat_keys:
+            if self._has_state(key):
+                self._flat(key)  # made in a later stage; a checkpoint brought it back
+        return layout
+
+    def _check_same_params_on_every_rank(self, layout: _Layout) -> None:
+        world, _ = self._world()
+        if world == 1:
+            return
+        device = layout.device if dist.get_backend(self.process_group) == "nccl" else torch.device("cpu")
+        mine = torch.tensor(layout.signature(), dtype=torch.int64, device=device)
+        rows = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(rows, mine, group=self.process_group)
+        rows = [tuple(r.tolist()) for r in rows]
+        if len(set(rows)) > 1:
+            detail = ", ".join(f"rank {r}: {n} params / {numel} elements" for r, (n, numel, _) in enumerate(rows))
+            raise ValueError(
+                f"params: {type(self).__name__} needs the same trainable param shapes, in the same order, on "
+                f"every rank ({detail}; shape lists {'equal' if len({r[2] for r in rows}) == 1 else 'differ'})"
+            )
+
+    # ------------------------------------------------------------------ flat buffers
+    def _flat(self, key: str) -> Tensor:
+        """The flat fp32 buffer behind state ``key``; made (zeros, or from existing per-param
+        tensors, e.g. after a reload) on first use, the per-param states become views into it."""
+        flat = self._flats.get(key)
+        if flat is None:
+            layout = self._layout
+            flat = torch.zeros(layout.numel, dtype=torch.float32, device=layout.device)
+            for p, view in zip(layout.params, layout.views(flat)):
+                old = self.state[p].get(key)
+                if old is not None:
+                    view.copy_(old)
+                self.state[p][key] = view
+            self._flats[key] = flat
+        return flat
+
+    def _has_state(self, key: str) -> bool:
+        return bool(self._layout.params) and key in self.state[self._layout.params[0]]
+
+    @staticmethod
+    def _scratch(layout: _Layout, key: str) -> tuple[Tensor, list[Tensor]]:
+        """A flat fp32 work buffer (not state), allocated once per layout, and its views."""
+        entry = layout.scratch.get(key)
+        if entry is None:
+            flat = torch.zeros(layout.numel, dtype=torch.float32, device=layout.device)
+            entry = layout.scratch[key] = (flat, layout.views(flat))
+        return entry
+
+    def _batches(
+        self, layout: _Layout, t: int, grads: list[Tensor] | None = None
+    ) -> Iterator[tuple[int, dict, Batch]]:
+        """(group index, group, Batch) per (group, param dtype, Kahan) bucket; ``grads``
+        defaults to the views of the flat gradient buffer."""
+        grads = self._scratch(layout, "grad")[1] if grads is None else grads
+        for gi, idx in layout.buckets:
+            params = [layout.params[i] for i in idx]
+            yield gi, self.param_groups[gi], Batch(
+                params, [grads[i] for i in idx], [self.state[p] for p in params], t, torch.float32
+            )
+
+    @staticmethod
+    def _param_values(batch: Batch) -> list[Tensor]:
+        """The params in fp32, Kahan compensation included (new tensors)."""
+        values = [p.float().clone() for p in batch.params]
+        if "kahan_comp" in batch.states[0]:
+            torch._foreach_add_(values, [c.float() for c in batch.state("kahan_comp")])
+        return values
+
+    @staticmethod
+    def _assign(batch: Batch, values: list[Tensor]) -> None:
+        """Set the params to fp32 ``values``; what rounding loses goes to the Kahan buffer."""
+        for p, v in zip(batch.params, values):
+            p.copy_(v)
+        if "kahan_comp" in batch.states[0]:
+            for p, v, c in zip(batch.params, values, batch.state("kahan_comp")):
+                c.copy_(v - p.float())
+        batch._params_compute = None
+
+    def _mask_(self, layout: _Layout, views: list[Tensor]) -> None:
+        """Multiply by each group's ``exp_avg_mask`` (DeepSpeed: after the compressed allreduce)."""
+        for i, gi in enumerate(layout.group_of):
+            group = self.param_groups[gi]
+            mask = group.get("exp_avg_mask")
+            if mask is not None:
+                if mask.device != layout.device:
+                    mask = group["exp_avg_mask"] = mask.to(layout.device)
+                views[i].mul_(mask)
+
+    # ------------------------------------------------------------------ communication
+    def _world(self) -> tuple[int, int]:
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_world_size(self.process_group), dist.get_rank(self.process_group)
+        return 1, 0
+
+    def _average_(self, flat: Tensor) -> None:
+        """Full-precision mean over ranks, in place (nothing on one rank)."""
+        if self._world()[0] > 1 and flat.numel():
+            allreduce_mean(flat, group=self.process_group)
+
+    def _compress_(self, flat: Tensor) -> None:
+        """Error-compensated 1-bit mean over ranks, in place (nothing on one rank)."""
+        world, rank = self._world()
+        if world == 1 or not flat.numel():
+            return
+        if self._worker_error is not None:
+            sizes = (self._worker_error.numel(), self._server_error.numel())
+            if sizes != tuple(error_buffer_sizes(flat.numel(), world)):
+                self._warn_errors_reset(f"their sizes {sizes} do not fit {flat.numel()} elements on {world} ranks")
+            elif self._worker_error.device != flat.device:
+                self._worker_error = self._worker_error.to(flat.device)
+                self._server_error = self._server_error.to(flat.device)
+        if self._worker_error is None:
+            self._worker_error, self._server_error = make_error_buffers(flat, group=self.process_group)
+            self._error_origin = (world, rank)
+        compressed_allreduce(flat, self._worker_error, self._server_error, group=self.process_group)
+
+    def _reset_error_buffers(self) -> None:
+        if self._worker_error is not None:
+            self._worker_error.zero_()
+            self._server_error.zero_()
+
+    def _drop_foreign_errors(self) -> None:
+        """Error buffers restored from another rank or world size carry another rank's residue."""
+        if self._worker_error is not None and self._error_origin != self._world():
+            world, rank = self._error_origin
+            self._warn_errors_reset(
+                f"they were saved by rank {rank} of {world} and this is rank {self._world()[1]} of {self._world()[0]}"
+            )
+
+    def _warn_errors_reset(self, why: str) -> None:
+        warnings.warn(
+            f"{type(self).__name__}: the compression error buffers are re-initialised to zero because {why}; "
+            "moments, step counters and the frozen variance carry over",
+            UserWarning,
+            stacklevel=4,
+        )
+        self._worker_error = self._server_error = self._error_origin = None
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """torch's state dict plus ``"onebit"``: the stage counters and THIS rank's error buffers.
+
+        The moments are equal on every rank except in ZeroOneAdam's local steps, but the error
+        buffers are per rank: save one state dict per rank to restore behaviour bitwise. A dict
+        from another rank or world size still loads (the error buffers restart from zero, with
+        one warning).
+        """
+        sd = super().state_dict()
+        origin = self._error_origin if self._worker_error is not None else self._world()
+        sd["onebit"] = {
+            "optimizer": type(self).__name__,
+            "schedule": copy.deepcopy(self._sched),
+            "world_size": origin[0],
+            "rank": origin[1],
+            "worker_error": self._worker_error,
+            "server_error": self._server_error,
+        }
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a dict from :meth:`state_dict`; the current ``exp_avg_mask`` of each group is kept
+        (as DeepSpeed does: masks change with the training phase, e.g. the sequence length)."""
+        onebit = state_dict.get("onebit")
+        if not isinstance(onebit, dict):
+            raise ValueError(f"state_dict: no 'onebit' entry; it was not saved by {type(self).__name__}")
+        if onebit.get("optimizer") != type(self).__name__:
+            raise ValueError(f"state_dict: saved by {onebit.get('optimizer')}, cannot load into {type(self).__name__}")
+        schedule = onebit["schedule"]
+        if set(schedule) != set(self._sched):
+            raise ValueError(f"state_dict: schedule keys {sorted(schedule)} differ from {sorted(self._sched)}")
+        masks = [group.get("exp_avg_mask") for group in self.param_groups]
+        groups = [{k: v for k, v in g.items() if k != "exp_avg_mask"} for g in state_dict["param_groups"]]
+        super().load_state_dict({**state_dict, "param_groups": groups})
+        for group, mask in zip(self.param_groups, masks):
+            if mask is not None:
+                group["exp_avg_mask"] = mask
+        self._layout, self._flats = None, {}
+        self._sched = copy.deepcopy(schedule)
+        worker, server = onebit.get("worker_error"), onebit.get("server_error")
+        if worker is None or server is None:
+            self._worker_error = self._server_error = self._error_origin = None
+        else:
+            self._worker_error, self._server_error = worker.clone(), server.clone()
+            self._error_origin = (int(onebit["world_size"]), int(onebit["rank"]))
+
+    # ------------------------------------------------------------------ for subclasses
+    def _initial_schedule(self) -> dict[str, Any]:
+        return {"step": 0}
+
+    def _init_param_state(self, group: dict[str, Any], p: Tensor, state: dict[str, Any]) -> None:
+        """Per-param scalar states (the flat keys are created by :meth:`_flat`)."""
+
+    def _onebit_step(self, layout: _Layout, t: int) -> None:
+        raise NotImplementedError
+
+    def _needs_average(self, t: int) -> bool:
+        raise NotImplementedError
+
+
+def check_step_count(name: str, value: object, minimum: int = 0) -> int:
+    """An integer step count >= ``minimum``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an integer, got {type(value).__name__} ({value!r})")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value

@@ -1,0 +1,53 @@
+"""Plumbing shared by the W-worker references of the 1-bit optimizers (no optimizer math here).
+
+Every reference holds one copy of the params and states per simulated worker (lists indexed
+``[worker][param]``, fp32), and one :class:`RefOnebitAllreduce` that plays the compressed
+allreduce over the flat concatenation of all params' tensors, in param order.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .onebit_allreduce import RefOnebitAllreduce
+
+
+class Workers:
+    def __init__(self, params, world_size: int, lrs=None, masks=None):
+        params = [p.detach().float() for p in params]
+        self.world = world_size
+        self.shapes = [p.shape for p in params]
+        self.numel = sum(p.numel() for p in params)
+        self.params = [[p.clone() for p in params] for _ in range(world_size)]
+        self.lrs = list(lrs) if lrs is not None else None
+        self.masks = list(masks) if masks is not None else [None] * len(params)
+        self.new_allreduce()
+
+    def new_allreduce(self) -> None:
+        """A fresh compressed allreduce: all error buffers back to zero."""
+        self.allreduce = RefOnebitAllreduce(self.numel, self.world)
+
+    def zeros(self) -> list[list[Tensor]]:
+        return [[torch.zeros(s) for s in self.shapes] for _ in range(self.world)]
+
+    @staticmethod
+    def mean(per_worker: list[Tensor]) -> Tensor:
+        total = per_worker[0].clone()
+        for x in per_worker[1:]:
+            total = total + x
+        return total / len(per_worker)
+
+    def compressed_mean(self, per_worker: list[list[Tensor]], masked: bool = True) -> list[Tensor]:
+        """The 1-bit average of every worker's tensors (one flat buffer), split per param and
+        multiplied by the masks; the same list is what every worker receives."""
+        flat = self.allreduce.step([torch.cat([x.reshape(-1) for x in xs]) for xs in per_worker])
+        out, offset = [], 0
+        for j, shape in enumerate(self.shapes):
+            n = torch.Size(shape).numel()
+            piece = flat[offset : offset + n].reshape(shape).clone()
+            if masked and self.masks[j] is not None:
+                piece = piece * self.masks[j]
+            out.append(piece)
+            offset += n
+        return out
