@@ -92,6 +92,7 @@ class OnebitOptimizer(BaseOptimizer):
         self._sched: dict[str, Any] = self._initial_schedule()
         self._layout: _Layout | None = None
         self._flats: dict[str, Tensor] = {}
+        self._flat_views: dict[str, list[Tensor]] = {}
         self._worker_error: Tensor | None = None
         self._server_error: Tensor | None = None
         self._error_origin: tuple[int, int] | None = None  # (world size, rank) the errors belong to
@@ -208,7 +209,8 @@ class OnebitOptimizer(BaseOptimizer):
     def _prepare_layout(self) -> _Layout:
         current = self._layout
         key = tuple(id(p) for group in self.param_groups for p in group["params"] if p.requires_grad)
-        if current is not None and current.key == key:
+        if current is not None and current.key == key and (not key or current.params[0].device == current.device):
+            self._relink(current)
             return current
         layout = _Layout(self.param_groups)
         self._check_same_params_on_every_rank(layout)
@@ -255,13 +257,24 @@ class OnebitOptimizer(BaseOptimizer):
         if flat is None:
             layout = self._layout
             flat = torch.zeros(layout.numel, dtype=torch.float32, device=layout.device)
-            for p, view in zip(layout.params, layout.views(flat)):
+            views = layout.views(flat)
+            for p, view in zip(layout.params, views):
                 old = self.state[p].get(key)
                 if old is not None:
                     view.copy_(old)
                 self.state[p][key] = view
             self._flats[key] = flat
+            self._flat_views[key] = views
         return flat
+
+    def _relink(self, layout: _Layout) -> None:
+        """Re-adopt the flat buffers whose per-param views were replaced from outside (e.g.
+        Lightning's ``_optimizer_to_device`` copies state tensors), so they stay the truth."""
+        for key in list(self._flats):
+            views = self._flat_views[key]
+            if not all(self.state[p].get(key) is v for p, v in zip(layout.params, views)):
+                del self._flats[key]
+                self._flat(key)
 
     def _has_state(self, key: str) -> bool:
         return bool(self._layout.params) and key in self.state[self._layout.params[0]]

@@ -175,3 +175,12 @@ def test_resume_on_one_process_from_two_ranks_warns_once_and_continues(two):
     assert len(messages) == 1 and "rank 0 of 2" in messages[0] and "rank 0 of 1" in messages[0]
     assert opt.global_step == 15 and all(torch.isfinite(p).all() for p in params)
     assert opt.state_dict()["onebit"]["worker_error"] is None  # one rank: nothing is compressed
+
+
+def test_ddp_with_switchable_allreduce_follows_needs_averaged_grads(spawned):
+    """The contract for the Lightning strategy: DDP averages exactly when the optimizer asks."""
+    for r, res in enumerate(spawned):
+        out = res["ddp"]
+        assert max(out["diffs"]) < 1e-6, (r, out["diffs"])
+        assert out["synced_equal"] and all(out["synced_equal"])
+        assert out["reduced"] > 0 and out["skipped"] > 0

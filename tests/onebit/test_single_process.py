@@ -155,6 +155,20 @@ def test_state_dict_round_trip_continues_bitwise_and_carries_the_schedule(cls, k
     assert _equal(a, b)
 
 
+@pytest.mark.parametrize("cls,kw", ALL, ids=IDS)
+def test_state_tensors_replaced_from_outside_stay_the_truth(cls, kw):
+    """Lightning's _optimizer_to_device swaps state tensors for copies; the flat buffers follow."""
+    a, b = init_params(), init_params()
+    opt_a, opt_b = cls(a, lr=0.01, **kw), cls(b, lr=0.01, **kw)
+    _feed(opt_a, a, 5)
+    _feed(opt_b, b, 5)
+    for p in b:
+        opt_b.state[p] = {k: v.clone() for k, v in opt_b.state[p].items()}
+    _feed(opt_a, a, 6, first=6)
+    _feed(opt_b, b, 6, first=6)
+    assert _equal(a, b)
+
+
 def test_load_keeps_the_current_exp_avg_mask_and_refuses_foreign_dicts():
     params = init_params()
     old_mask, new_mask = torch.ones(SHAPES[1]), torch.tensor([1.0, 0.0, 1.0, 1.0])

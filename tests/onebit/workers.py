@@ -192,6 +192,42 @@ def three_rank_suite(rank, world, blobs):
     return out
 
 
+def _tiny_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+
+
+def ddp_contract(rank, world, steps=14):
+    """ZeroOneAdam(average_grads=False) under DDP whose allreduce follows needs_averaged_grads,
+    against the same optimizer averaging by itself on an unwrapped model."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from lightning_optim.comm import register_switchable_allreduce
+
+    kwargs = dict(lr=0.01, var_freeze_step=5, var_update_scaler=2, local_step_scaler=2, local_step_clipper=4)
+    plain = _tiny_model()
+    ddp = DistributedDataParallel(_tiny_model())
+    switch = register_switchable_allreduce(ddp)
+    opt_plain = ZeroOneAdam(plain.parameters(), average_grads=True, **kwargs)
+    opt_ddp = ZeroOneAdam(ddp.parameters(), average_grads=False, **kwargs)
+    gen = torch.Generator().manual_seed(100 + rank)
+    diffs, synced_equal = [], []
+    for _ in range(steps):
+        x, y = torch.randn(6, 4, generator=gen), torch.randn(6, 2, generator=gen)
+        switch.enabled = opt_ddp.needs_averaged_grads  # what the Lightning strategy does
+        for model, opt in ((plain, opt_plain), (ddp, opt_ddp)):
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        diffs.append(max((a - b).abs().max().item() for a, b in zip(plain.parameters(), ddp.parameters())))
+        if opt_ddp.params_synchronized:
+            flat = torch.cat([p.detach().reshape(-1) for p in ddp.parameters()])
+            gathered = [torch.empty_like(flat) for _ in range(world)]
+            dist.all_gather(gathered, flat)
+            synced_equal.append(all(torch.equal(g, flat) for g in gathered))
+    return {"diffs": diffs, "synced_equal": synced_equal, "reduced": switch.buckets_reduced, "skipped": switch.buckets_skipped}
+
+
 def suite(rank, world):
     """One spawn of 3 ranks for everything: ranks 0 and 1 run the 2-rank checks on their own
     process group (spawning costs more than all the checks), then all 3 run the 3-rank checks
@@ -201,4 +237,4 @@ def suite(rank, world):
     two = two_rank_suite(rank, 2, pair) if rank < 2 else None
     blobs = [None] * world
     dist.all_gather_object(blobs, two["zoadam_resume"]["blob"] if two else None)
-    return {"two": two, "three": three_rank_suite(rank, world, blobs[:2])}
+    return {"two": two, "three": three_rank_suite(rank, world, blobs[:2]), "ddp": ddp_contract(rank, world)}
