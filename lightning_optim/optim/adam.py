@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_optim import ops
 from lightning_optim.optim.base import BaseOptimizer, Batch, ParamsT
 from lightning_optim.optim.validation import check_betas, check_flag, check_positive
 
@@ -147,6 +148,15 @@ class Adam(BaseOptimizer):
     def _update(self, group: dict[str, Any], batch: Batch, apply: bool) -> None:
         beta1, beta2 = group["betas"]
         decoupled = group["decoupled_weight_decay"] or group["decouple_lr"]
+        bc1, bc2 = 1.0, 1.0
+        if group["bias_correction"]:
+            bc1, bc2 = 1 - beta1**batch.step, 1 - beta2**batch.step
+        decay = self.decoupled_decay(group) if decoupled else 0.0
+        kernel = ops.kernel("adam", batch)
+        if kernel is not None:  # compiled: the same math, the whole bucket in one pass
+            kernel(batch, apply, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], bc1=bc1, bc2=bc2,
+                   l2=0.0 if decoupled else group["weight_decay"], decay=decay, amsgrad=group["amsgrad"])
+            return
         grads = batch.grads if decoupled else self.with_l2(batch, group["weight_decay"])
         exp_avg, exp_avg_sq = batch.state("exp_avg"), batch.state("exp_avg_sq")
         adam_first_moment_(exp_avg, grads, beta1)
@@ -157,11 +167,8 @@ class Adam(BaseOptimizer):
             exp_avg_sq = max_sq
         if not apply:
             return
-        bc1, bc2 = 1.0, 1.0
-        if group["bias_correction"]:
-            bc1, bc2 = 1 - beta1**batch.step, 1 - beta2**batch.step
         deltas = adam_deltas(exp_avg, exp_avg_sq, lr=group["lr"], bc1=bc1, bc2=bc2, eps=group["eps"])
-        self._apply(batch, deltas, decay=self.decoupled_decay(group) if decoupled else 0.0)
+        self._apply(batch, deltas, decay=decay)
 
 
 class AdamW(Adam):

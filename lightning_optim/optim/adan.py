@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from lightning_optim import ops
 from lightning_optim.optim.base import BaseOptimizer, Batch, ParamsT
 from lightning_optim.optim.validation import check_betas, check_flag, check_positive
 
@@ -98,6 +99,14 @@ class Adan(BaseOptimizer):
 
     def _update(self, group: dict[str, Any], batch: Batch, apply: bool) -> None:
         beta1, beta2, beta3 = group["betas"]
+        kernel = ops.kernel("adan", batch)
+        if kernel is not None:  # compiled: the same math, the whole bucket in one pass
+            kappa = self.decoupled_decay(group)
+            proximal = not group["adam_wd"]  # (p - lr u) / (1 + kappa), as below
+            kernel(batch, apply, beta1=beta1, beta2=beta2, beta3=beta3, eps=group["eps"],
+                   step_size=-group["lr"] / (1 + kappa) if proximal else -group["lr"],
+                   decay=kappa / (1 + kappa) if proximal else kappa)
+            return
         grads = batch.grads
         exp_avg, exp_avg_diff = batch.state("exp_avg"), batch.state("exp_avg_diff")
         exp_avg_sq, prev_grad = batch.state("exp_avg_sq"), batch.state("prev_grad")

@@ -9,11 +9,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_optim import ops
 from lightning_optim.optim.adam import adam_second_moment_
 from lightning_optim.optim.base import BaseOptimizer, Batch, ParamsT
 from lightning_optim.optim.validation import check_betas, check_flag, check_non_negative, check_positive
 
-__all__ = ["Lamb", "FusedLamb", "lamb_first_moment_", "lamb_denominator", "lamb_direction", "trust_ratios"]
+__all__ = ["Lamb", "FusedLamb", "lamb_first_moment_", "lamb_denominator", "lamb_direction", "trust_ratios",
+           "trust_ratios_from_norms"]
 
 
 # LAMB's element-wise math, written once; OnebitLamb (lightning_optim.onebit) calls it too.
@@ -53,6 +55,11 @@ def trust_ratios(params: list[Tensor], updates: list[Tensor], min_coeff: float, 
     """
     p_norm = torch.stack(torch._foreach_norm(params))
     u_norm = torch.stack(torch._foreach_norm(updates))
+    return trust_ratios_from_norms(p_norm, u_norm, min_coeff, max_coeff)
+
+
+def trust_ratios_from_norms(p_norm: Tensor, u_norm: Tensor, min_coeff: float, max_coeff: float) -> tuple[Tensor, Tensor]:
+    """:func:`trust_ratios` from the per-tensor norms (the compiled kernels compute those)."""
     ratio = (p_norm / u_norm).clamp(min_coeff, max_coeff)
     measured = (p_norm != 0) & (u_norm != 0)
     return torch.where(measured, ratio, torch.ones_like(ratio)), measured
@@ -200,10 +207,16 @@ class Lamb(BaseOptimizer):
         beta1, beta2 = group["betas"]
         wd = group["weight_decay"]
         grads = batch.grads
+        divisor = None
         if group["max_grad_norm"] > 0:
             if self._global_grad_norm is None:
                 raise RuntimeError("max_grad_norm: global clipping needs step(); it cannot run per parameter")
             divisor = (self._global_grad_norm / group["max_grad_norm"]).clamp(min=1.0)
+        kernel = ops.kernel("lamb", batch)
+        if kernel is not None:  # compiled: moments + norms in one pass, the step in a second
+            self._update_fused(kernel, group, batch, apply, 1.0 if divisor is None else divisor.item())
+            return
+        if divisor is not None:
             grads = torch._foreach_div(grads, divisor.to(grads[0].device))
         if not group["adam_w_mode"]:
             grads = self.with_l2(batch, wd, grads)
@@ -230,6 +243,31 @@ class Lamb(BaseOptimizer):
             torch._foreach_add_(coeffs, 1.0)
             torch._foreach_mul_(update, -group["lr"])
         self._apply(batch, update)
+
+    def _update_fused(self, kernel: Any, group: dict[str, Any], batch: Batch, apply: bool, clip_div: float) -> None:
+        """The same step through the compiled kernels (``ops.kernel("lamb")``)."""
+        beta1, beta2 = group["betas"]
+        wd, decoupled = group["weight_decay"], group["adam_w_mode"]
+        bc1, bc2 = 1.0, 1.0
+        if group["bias_correction"]:
+            bc1, bc2 = 1 - beta1**batch.step, 1 - beta2**batch.step
+        ratios = apply and not group["adam"] and (group["use_nvlamb"] or wd != 0)
+        shape = dict(bc1=bc1, bc2=bc2, eps=group["eps"], wd=wd if decoupled else 0.0,
+                     eps_inside_sqrt=group["eps_inside_sqrt"])
+        norms = kernel.moments(batch, clip_div=clip_div, l2=0.0 if decoupled else wd, beta1=beta1,
+                               m_coef=1 - beta1 if group["grad_averaging"] else 1.0, beta2=beta2, norms=ratios, **shape)
+        if not apply:
+            return
+        coeffs = batch.state("lamb_coeff")
+        if ratios:
+            ratio, _ = trust_ratios_from_norms(norms[:, 0], norms[:, 1], group["min_coeff"], group["max_coeff"])
+            torch._foreach_copy_(coeffs, ratio.unbind())
+            scales = ratio * -group["lr"]
+        else:
+            torch._foreach_zero_(coeffs)
+            torch._foreach_add_(coeffs, 1.0)
+            scales = torch.full((len(coeffs),), -group["lr"], dtype=torch.float32)
+        kernel.apply(batch, scales.to(batch.params[0].device), **shape)
 
     def get_lamb_coeffs(self) -> list[float]:
         """The last trust ratio of every param that has been updated, in param-group order.

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_optim import ops
 from lightning_optim.optim.base import BaseOptimizer, Batch, ParamsT
 from lightning_optim.optim.validation import check_non_negative, check_positive
 
@@ -100,6 +101,14 @@ class Lars(BaseOptimizer):
 
     def _update(self, group: dict[str, Any], batch: Batch, apply: bool) -> None:
         momentum, wd, clip = group["momentum"], group["weight_decay"], group["grad_clip"]
+        kernel = ops.kernel("lars", batch)
+        if kernel is not None:  # compiled: norms in one pass, clip + momentum + step in a second
+            scales = None
+            if apply:
+                norms = kernel.norms(batch)
+                scales = self._trust(group, norms[:, 0], norms[:, 1]) * -group["lr"]
+            kernel.step(batch, apply, scales, weight_decay=wd, grad_clip=clip, momentum=momentum)
+            return
         d = self.with_l2(batch, wd)
         if clip is not None:
             d = torch._foreach_clamp_min(d, -clip)  # new tensors: the grads stay untouched
@@ -116,9 +125,15 @@ class Lars(BaseOptimizer):
             return
         w_norm = torch.stack(torch._foreach_norm(batch.params_compute))
         g_norm = torch.stack(torch._foreach_norm(batch.grads))
-        trust = group["eeta"] * w_norm / (g_norm + wd * w_norm + group["epsilon"])
+        trust = self._trust(group, w_norm, g_norm)
+        deltas = torch._foreach_mul(d, (trust * -group["lr"]).unbind())
+        self._apply(batch, deltas)
+
+    @staticmethod
+    def _trust(group: dict[str, Any], w_norm: Tensor, g_norm: Tensor) -> Tensor:
+        """Per-tensor trust ratios from the norms of the params and of the raw gradients."""
+        trust = group["eeta"] * w_norm / (g_norm + group["weight_decay"] * w_norm + group["epsilon"])
         trust = torch.where((w_norm > 0) & (g_norm > 0), trust, torch.ones_like(trust))
         if group["trust_clip"] is not None:
             trust = trust.clamp(0.0, group["trust_clip"])
-        deltas = torch._foreach_mul(d, (trust * -group["lr"]).unbind())
-        self._apply(batch, deltas)
+        return trust

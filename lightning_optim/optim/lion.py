@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from lightning_optim import ops
 from lightning_optim.optim.base import BaseOptimizer, Batch, ParamsT
 from lightning_optim.optim.validation import check_betas
 
@@ -79,6 +80,10 @@ class Lion(BaseOptimizer):
 
     def _update(self, group: dict[str, Any], batch: Batch, apply: bool) -> None:
         beta1, beta2 = group["betas"]
+        kernel = ops.kernel("lion", batch)
+        if kernel is not None:  # compiled: the same math, the whole bucket in one pass
+            kernel(batch, apply, lr=group["lr"], beta1=beta1, beta2=beta2, decay=self.decoupled_decay(group))
+            return
         exp_avg = batch.state("exp_avg")
         if apply:
             # the sign of the interpolation, taken before the moving average moves on

@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from lightning_optim import ops
 from lightning_optim.optim.base import BaseOptimizer, Batch, ParamsT
 from lightning_optim.optim.validation import check_flag, check_non_negative, check_unit_interval
 
@@ -104,6 +105,13 @@ class SGD(BaseOptimizer):
 
     def _update(self, group: dict[str, Any], batch: Batch, apply: bool) -> None:
         l2 = 0.0 if group["decouple_lr"] else group["weight_decay"]
+        decay = self.decoupled_decay(group) if group["decouple_lr"] else 0.0
+        kernel = ops.kernel("sgd", batch)
+        if kernel is not None:  # compiled: the same math, the whole bucket in one pass
+            after = group["wd_after_momentum"]
+            kernel(batch, apply, lr=group["lr"], momentum=group["momentum"], dampening=group["dampening"],
+                   nesterov=group["nesterov"], l2_pre=0.0 if after else l2, l2_post=l2 if after else 0.0, decay=decay)
+            return
         d = batch.grads if group["wd_after_momentum"] else self.with_l2(batch, l2)
         d = momentum_direction(group, batch, d)
         if not apply:
@@ -111,5 +119,4 @@ class SGD(BaseOptimizer):
         if group["wd_after_momentum"] and l2 != 0:
             d = torch._foreach_add(d, batch.params_compute, alpha=l2)
         deltas = torch._foreach_mul(d, -group["lr"])
-        decay = self.decoupled_decay(group) if group["decouple_lr"] else 0.0
         self._apply(batch, deltas, decay=decay)

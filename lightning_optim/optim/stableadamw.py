@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from lightning_optim import ops
 from lightning_optim.optim.base import LOW_PRECISION, BaseOptimizer, Batch, ParamsT
 from lightning_optim.optim.validation import check_betas, check_positive
 
@@ -89,6 +90,15 @@ class StableAdamW(BaseOptimizer):
     def _update(self, group: dict[str, Any], batch: Batch, apply: bool) -> None:
         beta1, beta2 = group["betas"]
         eps, grads = group["eps"], batch.grads
+        kernel = ops.kernel("stableadamw", batch)
+        if kernel is not None:  # compiled: moments + RMS in one pass, the step in a second
+            bc1, bc2 = 1 - beta1**batch.step, 1 - beta2**batch.step
+            means = kernel.moments(batch, beta1=beta1, beta2=beta2, bc2=bc2, eps=eps, rms=apply)
+            if apply:
+                lrs = self._clipped_lrs(group, means)
+                kernel.apply(batch, step_sizes=[-lr_t / bc1 for lr_t in lrs], bc2=bc2, eps=eps,
+                             decays=[self.decoupled_decay(group, lr=lr_t) for lr_t in lrs])
+            return
         exp_avg, exp_avg_sq = batch.state("exp_avg"), batch.state("exp_avg_sq")
         torch._foreach_lerp_(exp_avg, grads, 1 - beta1)
         torch._foreach_mul_(exp_avg_sq, beta2)
@@ -104,10 +114,15 @@ class StableAdamW(BaseOptimizer):
         mean_dtype = torch.float32 if batch.compute_dtype in LOW_PRECISION else None
         means = torch.stack([r.mean(dtype=mean_dtype) for r in ratio]).tolist()
         del ratio
-        lrs = [group["lr"] / max(1.0, math.sqrt(mean)) for mean in means]
+        lrs = self._clipped_lrs(group, means)
 
         torch._foreach_sqrt_(v_hat)
         torch._foreach_add_(v_hat, eps)
         deltas = torch._foreach_div(exp_avg, v_hat)
         torch._foreach_mul_(deltas, [-lr_t / bc1 for lr_t in lrs])
         self._apply(batch, deltas, decay=[self.decoupled_decay(group, lr=lr_t) for lr_t in lrs])
+
+    @staticmethod
+    def _clipped_lrs(group: dict[str, Any], means: list[float]) -> list[float]:
+        """Per tensor ``lr / max(1, RMS)`` from the mean of ``g^2 / max(v_hat, eps^2)``."""
+        return [group["lr"] / max(1.0, math.sqrt(mean)) for mean in means]

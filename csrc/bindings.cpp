@@ -1,0 +1,405 @@
+// The one extension module: Python lists of tensors + scalars in, the torch-free kernels of
+// include/kernel_api.h called on the CPU (cpu/) or, when built WITH_CUDA, on the GPU (cuda/).
+// Every argument is checked here (device, dtype, contiguity, sizes) before any tensor is touched,
+// so a refused call leaves everything as it was.
+#include <torch/extension.h>
+
+#include <string>
+#include <vector>
+
+#ifdef WITH_CUDA
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#endif
+
+#include "include/kernel_api.h"
+
+namespace {
+
+using TensorList = std::vector<at::Tensor>;
+
+lo::DType dtype_of(const at::Tensor& t, const char* what) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return lo::DType::F32;
+    case at::kBFloat16: return lo::DType::BF16;
+    case at::kHalf: return lo::DType::F16;
+    default: TORCH_CHECK_TYPE(false, what, ": dtype ", t.scalar_type(), " is not supported (float32, bfloat16, float16)");
+  }
+  return lo::DType::F32;
+}
+
+// What the tensors of one list must be, relative to the params (list 0).
+enum class Role { Param, Grad, F32, SameAsParam, Any16 };
+
+struct ListSpec {
+  const TensorList* tensors;
+  const char* name;
+  Role role;
+};
+
+// Packed pointer arrays of a call; owns the storage ListArgs points into.
+struct Packed {
+  lo::ListArgs args;
+  lo::Types types;
+  at::Device device = at::kCPU;
+  std::vector<int64_t> numel;
+  std::vector<void*> ptrs[lo::kMaxDepth];
+};
+
+Packed pack(const std::vector<ListSpec>& specs) {
+  TORCH_CHECK(!specs.empty() && specs.size() <= static_cast<size_t>(lo::kMaxDepth), "pack: 1 to 8 lists");
+  Packed out;
+  const TensorList& params = *specs[0].tensors;
+  const int64_t n = static_cast<int64_t>(params.size());
+  out.numel.resize(n);
+  if (n > 0) {
+    out.device = params[0].device();
+    out.types.p = dtype_of(params[0], specs[0].name);
+  }
+  bool grad_seen = false;
+  for (size_t l = 0; l < specs.size(); ++l) {
+    const ListSpec& s = specs[l];
+    const TensorList& list = *s.tensors;
+    if (list.empty() && l > 0) continue;  // an absent optional list
+    TORCH_CHECK_VALUE(static_cast<int64_t>(list.size()) == n, s.name, ": expected ", n, " tensors, got ", list.size());
+    out.ptrs[l].resize(n);
+    for (int64_t i = 0; i < n; ++i) {
+      const at::Tensor& t = list[i];
+      TORCH_CHECK_VALUE(t.defined(), s.name, "[", i, "]: undefined tensor");
+      TORCH_CHECK_VALUE(t.device() == out.device, s.name, "[", i, "]: on ", t.device(), ", expected ", out.device);
+      TORCH_CHECK_VALUE(t.is_contiguous(), s.name, "[", i, "]: must be contiguous (use the torch backend for strided tensors)");
+      if (l == 0) out.numel[i] = t.numel();
+      else TORCH_CHECK_VALUE(t.numel() == out.numel[i], s.name, "[", i, "]: ", t.numel(), " elements, the param has ", out.numel[i]);
+      lo::DType d = dtype_of(t, s.name);
+      switch (s.role) {
+        case Role::Param:
+        case Role::SameAsParam:
+          TORCH_CHECK_TYPE(d == out.types.p, s.name, "[", i, "]: dtype ", t.scalar_type(), " differs from the params'");
+          break;
+        case Role::F32:
+          TORCH_CHECK_TYPE(d == lo::DType::F32, s.name, "[", i, "]: must be float32 (fp32 state), got ", t.scalar_type());
+          break;
+        case Role::Grad:
+          TORCH_CHECK_TYPE(d == lo::DType::F32 || d == out.types.p, s.name, "[", i, "]: grads must be float32 or the params' dtype");
+          if (!grad_seen) out.types.g = d;
+          TORCH_CHECK_TYPE(d == out.types.g, s.name, "[", i, "]: all grads must share one dtype");
+          grad_seen = true;
+          break;
+        case Role::Any16:
+          TORCH_CHECK_TYPE(d != lo::DType::F32, s.name, "[", i, "]: must be bfloat16 or float16");
+          if (i == 0) out.types.copy = d;
+          TORCH_CHECK_TYPE(d == out.types.copy, s.name, "[", i, "]: all copies must share one dtype");
+          out.types.has_copy = true;
+          break;
+      }
+      out.ptrs[l][i] = t.data_ptr();
+    }
+    if (s.role == Role::SameAsParam) out.types.kahan = n > 0;
+    out.args.ptr[l] = out.ptrs[l].data();
+  }
+  if (out.types.kahan) TORCH_CHECK_TYPE(out.types.p != lo::DType::F32, "kahan_comps: only for float16/bfloat16 params");
+  out.args.n = n;
+  out.args.numel = out.numel.data();
+  return out;
+}
+
+bool is_cuda(const Packed& p) { return p.device.is_cuda(); }
+
+lo::Exec exec_for(const at::Device& device) {
+  lo::Exec ex;
+  ex.threads = at::get_num_threads();
+#ifdef WITH_CUDA
+  if (device.is_cuda()) ex.stream = at::cuda::getCurrentCUDAStream(device.index()).stream();
+#else
+  TORCH_CHECK(!device.is_cuda(), "lightning_optim kernels were built without CUDA; use the torch backend for CUDA tensors");
+#endif
+  return ex;
+}
+
+#ifdef WITH_CUDA
+#define LO_GUARD(dev) c10::cuda::OptionalCUDAGuard guard_(dev.is_cuda() ? c10::optional<at::Device>(dev) : c10::nullopt)
+#define LO_CALL(packed, fn, ...) \
+  (is_cuda(packed) ? lo::cuda::fn(__VA_ARGS__) : lo::cpu::fn(__VA_ARGS__))
+#define LO_CALL_DEV(device, fn, ...) \
+  ((device).is_cuda() ? lo::cuda::fn(__VA_ARGS__) : lo::cpu::fn(__VA_ARGS__))
+#else
+#define LO_GUARD(dev) (void)0
+#define LO_CALL(packed, fn, ...) lo::cpu::fn(__VA_ARGS__)
+#define LO_CALL_DEV(device, fn, ...) lo::cpu::fn(__VA_ARGS__)
+#endif
+
+lo::Decay decay_of(double keep, double neg_decay) {
+  return lo::Decay{static_cast<float>(keep), static_cast<float>(neg_decay)};
+}
+
+// One float32 value per tensor, on the lists' device.
+const float* per_tensor(const at::Tensor& t, const Packed& p, const char* name) {
+  TORCH_CHECK_VALUE(t.device() == p.device && t.scalar_type() == at::kFloat && t.is_contiguous() && t.numel() == p.args.n,
+                    name, ": expected a contiguous float32 tensor of ", p.args.n, " values on ", p.device);
+  return t.data_ptr<float>();
+}
+
+at::Tensor sums_for(const Packed& p) {
+  return at::zeros({p.args.n, 2}, at::TensorOptions().dtype(at::kDouble).device(p.device));
+}
+
+// ------------------------------------------------------------------ optimizers
+void adam(const TensorList& params, const TensorList& grads, const TensorList& exp_avgs, const TensorList& exp_avg_sqs,
+          const TensorList& max_exp_avg_sqs, const TensorList& kahan_comps, const TensorList& param_copies, double w1,
+          double beta2, double c2, double step, double sqrt_bc2, double eps, double l2, double keep, double neg_decay,
+          bool apply) {
+  TORCH_CHECK_VALUE(!exp_avgs.empty() || params.empty(), "exp_avgs: required");
+  Packed p = pack({{&params, "params", Role::Param}, {&grads, "grads", Role::Grad}, {&exp_avgs, "exp_avgs", Role::F32},
+                   {&exp_avg_sqs, "exp_avg_sqs", Role::F32}, {&max_exp_avg_sqs, "max_exp_avg_sqs", Role::F32},
+                   {&kahan_comps, "kahan_comps", Role::SameAsParam}, {&param_copies, "param_copies", Role::Any16}});
+  if (p.args.n == 0) return;
+  TORCH_CHECK_VALUE(!exp_avg_sqs.empty(), "exp_avg_sqs: required");
+  TORCH_CHECK_VALUE(!p.types.has_copy || p.types.p == lo::DType::F32, "param_copies: only for float32 (master) params");
+  lo::AdamHyper h{float(w1), float(beta2), float(c2), float(step), float(sqrt_bc2), float(eps), float(l2), decay_of(keep, neg_decay)};
+  LO_GUARD(p.device);
+  LO_CALL(p, adam, exec_for(p.device), p.args, h, p.types, !max_exp_avg_sqs.empty(), apply);
+}
+
+void sgd(const TensorList& params, const TensorList& grads, const TensorList& momentum_buffers, const TensorList& kahan_comps,
+         double momentum, double damp_keep, double l2_pre, double l2_post, double neg_lr, bool first, bool nesterov,
+         double keep, double neg_decay, bool apply) {
+  Packed p = pack({{&params, "params", Role::Param}, {&grads, "grads", Role::Grad},
+                   {&momentum_buffers, "momentum_buffers", Role::F32}, {&kahan_comps, "kahan_comps", Role::SameAsParam}});
+  if (p.args.n == 0) return;
+  TORCH_CHECK_VALUE(apply || !momentum_buffers.empty(), "apply=False needs momentum buffers to accumulate into");
+  lo::SgdHyper h{float(momentum), float(damp_keep), float(l2_pre), float(l2_post), float(neg_lr), first, nesterov,
+                 decay_of(keep, neg_decay)};
+  LO_GUARD(p.device);
+  LO_CALL(p, sgd, exec_for(p.device), p.args, h, p.types, !momentum_buffers.empty(), apply);
+}
+
+void lion(const TensorList& params, const TensorList& grads, const TensorList& exp_avgs, const TensorList& kahan_comps,
+          double w1, double w2, double neg_lr, double keep, double neg_decay, bool apply) {
+  Packed p = pack({{&params, "params", Role::Param}, {&grads, "grads", Role::Grad}, {&exp_avgs, "exp_avgs", Role::F32},
+                   {&kahan_comps, "kahan_comps", Role::SameAsParam}});
+  if (p.args.n == 0) return;
+  TORCH_CHECK_VALUE(!exp_avgs.empty(), "exp_avgs: required");
+  lo::LionHyper h{float(w1), float(w2), float(neg_lr), decay_of(keep, neg_decay)};
+  LO_GUARD(p.device);
+  LO_CALL(p, lion, exec_for(p.device), p.args, h, p.types, apply);
+}
+
+void adan(const TensorList& params, const TensorList& grads, const TensorList& exp_avgs, const TensorList& exp_avg_diffs,
+          const TensorList& exp_avg_sqs, const TensorList& prev_grads, const TensorList& kahan_comps, double w1, double w2,
+          double beta2, double beta3, double c3, double bc1, double n_coef, double sqrt_bc3, double eps, double step,
+          bool first, double keep, double neg_decay, bool apply) {
+  Packed p = pack({{&params, "params", Role::Param}, {&grads, "grads", Role::Grad}, {&exp_avgs, "exp_avgs", Role::F32},
+                   {&exp_avg_diffs, "exp_avg_diffs", Role::F32}, {&exp_avg_sqs, "exp_avg_sqs", Role::F32},
+                   {&prev_grads, "prev_grads", Role::F32}, {&kahan_comps, "kahan_comps", Role::SameAsParam}});
+  if (p.args.n == 0) return;
+  TORCH_CHECK_VALUE(!exp_avgs.empty() && !exp_avg_diffs.empty() && !exp_avg_sqs.empty() && !prev_grads.empty(),
+                    "adan: exp_avgs, exp_avg_diffs, exp_avg_sqs and prev_grads are required");
+  lo::AdanHyper h{float(w1), float(w2), float(beta2), float(beta3), float(c3), float(bc1), float(n_coef), float(sqrt_bc3),
+                  float(eps), float(step), first, decay_of(keep, neg_decay)};
+  LO_GUARD(p.device);
+  LO_CALL(p, adan, exec_for(p.device), p.args, h, p.types, apply);
+}
+
+lo::LambHyper lamb_hyper(double clip_div, double l2, double beta1, double m_coef, double beta2, double c2, double bc1,
+                         double bc2, double eps, double wd, bool eps_inside_sqrt) {
+  return lo::LambHyper{float(clip_div), float(l2), float(beta1), float(m_coef), float(beta2), float(c2), float(bc1),
+                       float(bc2), float(eps), float(wd), eps_inside_sqrt, nullptr};
+}
+
+at::Tensor lamb_moments(const TensorList& params, const TensorList& grads, const TensorList& exp_avgs,
+                        const TensorList& exp_avg_sqs, double clip_div, double l2, double beta1, double m_coef,
+                        double beta2, double c2, double bc1, double bc2, double eps, double wd, bool eps_inside_sqrt,
+                        bool norms) {
+  Packed p = pack({{&params, "params", Role::Param}, {&grads, "grads", Role::Grad}, {&exp_avgs, "exp_avgs", Role::F32},
+                   {&exp_avg_sqs, "exp_avg_sqs", Role::F32}});
+  at::Tensor out = sums_for(p);
+  if (p.args.n == 0) return out;
+  TORCH_CHECK_VALUE(!exp_avgs.empty() && !exp_avg_sqs.empty(), "lamb: exp_avgs and exp_avg_sqs are required");
+  LO_GUARD(p.device);
+  LO_CALL(p, lamb_moments, exec_for(p.device), p.args,
+          lamb_hyper(clip_div, l2, beta1, m_coef, beta2, c2, bc1, bc2, eps, wd, eps_inside_sqrt), p.types, norms,
+          out.data_ptr<double>());
+  return out;
+}
+
+void lamb_apply(const TensorList& params, const TensorList& exp_avgs, const TensorList& exp_avg_sqs,
+                const TensorList& kahan_comps, const at::Tensor& scales, double bc1, double bc2, double eps, double wd,
+                bool eps_inside_sqrt) {
+  Packed p = pack({{&params, "params", Role::Param}, {&exp_avgs, "exp_avgs", Role::F32},
+                   {&exp_avg_sqs, "exp_avg_sqs", Role::F32}, {&kahan_comps, "kahan_comps", Role::SameAsParam}});
+  if (p.args.n == 0) return;
+  lo::LambHyper h = lamb_hyper(1.0, 0.0, 0.0, 0.0, 0.0, 0.0, bc1, bc2, eps, wd, eps_inside_sqrt);
+  h.scale = per_tensor(scales, p, "scales");
+  LO_GUARD(p.device);
+  LO_CALL(p, lamb_apply, exec_for(p.device), p.args, h, p.types);
+}
+
+at::Tensor lars_norms(const TensorList& params, const TensorList& grads) {
+  Packed p = pack({{&params, "params", Role::Param}, {&grads, "grads", Role::Grad}});
+  at::Tensor out = sums_for(p);
+  if (p.args.n == 0) return out;
+  LO_GUARD(p.device);
+  LO_CALL(p, lars_norms, exec_for(p.device), p.args, p.types, out.data_ptr<double>());
+  return out;
+}
+
+void lars(const TensorList& params, const TensorList& grads, const TensorList& momentum_buffers,
+          const TensorList& kahan_comps, const c10::optional<at::Tensor>& scales, double wd, double lo_clip,
+          double hi_clip, double momentum, bool first, bool apply) {
+  Packed p = pack({{&params, "params", Role::Param}, {&grads, "grads", Role::Grad},
+                   {&momentum_buffers, "momentum_buffers", Role::F32}, {&kahan_comps, "kahan_comps", Role::SameAsParam}});
+  if (p.args.n == 0) return;
+  TORCH_CHECK_VALUE(apply || !momentum_buffers.empty(), "apply=False needs momentum buffers to accumulate into");
+  lo::LarsHyper h{float(wd), float(lo_clip), float(hi_clip), float(momentum), first, nullptr};
+  if (apply) {
+    TORCH_CHECK_VALUE(scales.has_value(), "scales: required when apply=True");
+    h.scale = per_tensor(*scales, p, "scales");
+  }
+  LO_GUARD(p.device);
+  LO_CALL(p, lars, exec_for(p.device), p.args, h, p.types, !momentum_buffers.empty(), apply);
+}
+
+at::Tensor stable_moments(const TensorList& params, const TensorList& grads, const TensorList& exp_avgs,
+                          const TensorList& exp_avg_sqs, double w1, double beta2, double c2, double bc2, double eps_sq,
+                          bool rms) {
+  Packed p = pack({{&params, "params", Role::Param}, {&grads, "grads", Role::Grad}, {&exp_avgs, "exp_avgs", Role::F32},
+                   {&exp_avg_sqs, "exp_avg_sqs", Role::F32}});
+  at::Tensor out = sums_for(p);
+  if (p.args.n == 0) return out;
+  TORCH_CHECK_VALUE(!exp_avgs.empty() && !exp_avg_sqs.empty(), "stable_adamw: exp_avgs and exp_avg_sqs are required");
+  lo::StableHyper h{float(w1), float(beta2), float(c2), float(bc2), 0.0f, float(eps_sq), nullptr, nullptr, nullptr};
+  LO_GUARD(p.device);
+  LO_CALL(p, stable_moments, exec_for(p.device), p.args, h, p.types, rms, out.data_ptr<double>());
+  return out;
+}
+
+void stable_apply(const TensorList& params, const TensorList& exp_avgs, const TensorList& exp_avg_sqs,
+                  const TensorList& kahan_comps, const at::Tensor& scales, const at::Tensor& keeps,
+                  const at::Tensor& neg_decays, double bc2, double eps) {
+  Packed p = pack({{&params, "params", Role::Param}, {&exp_avgs, "exp_avgs", Role::F32},
+                   {&exp_avg_sqs, "exp_avg_sqs", Role::F32}, {&kahan_comps, "kahan_comps", Role::SameAsParam}});
+  if (p.args.n == 0) return;
+  lo::StableHyper h{0.0f, 0.0f, 0.0f, float(bc2), float(eps), 0.0f, per_tensor(scales, p, "scales"),
+                    per_tensor(keeps, p, "keeps"), per_tensor(neg_decays, p, "neg_decays")};
+  LO_GUARD(p.device);
+  LO_CALL(p, stable_apply, exec_for(p.device), p.args, h, p.types);
+}
+
+// ------------------------------------------------------------------ 1-bit
+void check_flat(const at::Tensor& t, const char* name, at::ScalarType type, const at::Device& device) {
+  TORCH_CHECK_VALUE(t.device() == device, name, ": on ", t.device(), ", expected ", device);
+  TORCH_CHECK_TYPE(t.scalar_type() == type, name, ": expected ", type, ", got ", t.scalar_type());
+  TORCH_CHECK_VALUE(t.is_contiguous(), name, ": must be contiguous");
+}
+
+void check_packed(const at::Tensor& packed, int64_t n, const at::Device& device) {
+  check_flat(packed, "packed", at::kByte, device);
+  TORCH_CHECK_VALUE(packed.numel() == (n + 7) / 8, "packed: expected ", (n + 7) / 8, " bytes for ", n, " values, got ",
+                    packed.numel());
+}
+
+// z = x + err (add_err) or z = x; packed <- signs of z; err <- z - scale * sign(z).
+// Returns the scale used: the given one, else ||z|| / sqrt(n).
+double onebit_compress(const at::Tensor& x, const at::Tensor& err, const at::Tensor& packed,
+                       c10::optional<double> scale, bool add_err) {
+  const at::Device device = x.device();
+  check_flat(x, "x", at::kFloat, device);
+  check_flat(err, "err", at::kFloat, device);
+  TORCH_CHECK_VALUE(err.numel() == x.numel(), "err: ", err.numel(), " elements, x has ", x.numel());
+  const int64_t n = x.numel();
+  check_packed(packed, n, device);
+  if (n == 0) return scale.value_or(0.0);
+  LO_GUARD(device);
+  lo::Exec ex = exec_for(device);
+  double s;
+  if (scale.has_value()) {
+    s = *scale;
+  } else {
+    at::Tensor sums = at::zeros({2}, at::TensorOptions().dtype(at::kDouble).device(device));
+    const float* zero_err = nullptr;
+    at::Tensor zeros;
+    if (!add_err) {  // the norm of x alone
+      zeros = at::zeros_like(x);
+      zero_err = zeros.data_ptr<float>();
+    }
+    const float* e = add_err ? err.data_ptr<float>() : zero_err;
+#ifdef WITH_CUDA
+    if (device.is_cuda()) lo::cuda::onebit_sumsq(ex, x.data_ptr<float>(), e, n, sums.data_ptr<double>());
+    else
+#endif
+      lo::cpu::onebit_sumsq(ex, x.data_ptr<float>(), e, n, sums.data_ptr<double>());
+    s = std::sqrt(sums[0].item<double>() / static_cast<double>(n));
+  }
+  const lo::Ef mode = add_err ? lo::Ef::Feedback : lo::Ef::Residual;
+  LO_CALL_DEV(device, onebit_compress, ex, x.data_ptr<float>(), err.data_ptr<float>(), packed.data_ptr<uint8_t>(), n,
+              float(s), mode);
+  return s;
+}
+
+// packed <- signs of x (bit = x >= 0, LSB first, a partial last byte padded with 1 bits).
+void onebit_pack(const at::Tensor& x, const at::Tensor& packed) {
+  const at::Device device = x.device();
+  check_flat(x, "x", at::kFloat, device);
+  check_packed(packed, x.numel(), device);
+  if (x.numel() == 0) return;
+  LO_GUARD(device);
+  LO_CALL_DEV(device, onebit_compress, exec_for(device), x.data_ptr<float>(), nullptr, packed.data_ptr<uint8_t>(),
+              x.numel(), 1.0f, lo::Ef::None);
+}
+
+// out <- +scale where the bit is set, -scale elsewhere (out: float32, bfloat16 or float16).
+void onebit_unpack(const at::Tensor& packed, const at::Tensor& out, double scale) {
+  const at::Device device = out.device();
+  TORCH_CHECK_VALUE(out.is_contiguous(), "out: must be contiguous");
+  lo::DType type = dtype_of(out, "out");
+  check_packed(packed, out.numel(), device);
+  if (out.numel() == 0) return;
+  LO_GUARD(device);
+  LO_CALL_DEV(device, onebit_unpack, exec_for(device), packed.data_ptr<uint8_t>(), type, out.data_ptr(), out.numel(),
+              float(scale));
+}
+
+// out[8k + j] <- table[packed[k], j] for a 256 x 8 table of out's dtype.
+void onebit_unpack_table(const at::Tensor& packed, const at::Tensor& table, const at::Tensor& out) {
+  const at::Device device = out.device();
+  TORCH_CHECK_VALUE(out.is_contiguous(), "out: must be contiguous");
+  lo::DType type = dtype_of(out, "out");
+  check_flat(table, "table", out.scalar_type(), device);
+  TORCH_CHECK_VALUE(table.numel() == 256 * 8, "table: expected 256 x 8 values, got ", table.numel());
+  check_packed(packed, out.numel(), device);
+  if (out.numel() == 0) return;
+  LO_GUARD(device);
+  LO_CALL_DEV(device, onebit_unpack_table, exec_for(device), packed.data_ptr<uint8_t>(), type, table.data_ptr(),
+              out.data_ptr(), out.numel());
+}
+
+bool with_cuda() {
+#ifdef WITH_CUDA
+  return true;
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "lightning-optim fused optimizer and 1-bit kernels (CPU, and CUDA when built with it)";
+  m.def("with_cuda", &with_cuda);
+  m.def("adam", &adam);
+  m.def("sgd", &sgd);
+  m.def("lion", &lion);
+  m.def("adan", &adan);
+  m.def("lamb_moments", &lamb_moments);
+  m.def("lamb_apply", &lamb_apply);
+  m.def("lars_norms", &lars_norms);
+  m.def("lars", &lars);
+  m.def("stable_moments", &stable_moments);
+  m.def("stable_apply", &stable_apply);
+  m.def("onebit_compress", &onebit_compress, pybind11::arg("x"), pybind11::arg("err"), pybind11::arg("packed"),
+        pybind11::arg("scale") = pybind11::none(), pybind11::arg("add_err") = true);
+  m.def("onebit_pack", &onebit_pack, pybind11::arg("x"), pybind11::arg("packed"));
+  m.def("onebit_unpack", &onebit_unpack, pybind11::arg("packed"), pybind11::arg("out"), pybind11::arg("scale") = 1.0);
+  m.def("onebit_unpack_table", &onebit_unpack_table, pybind11::arg("packed"), pybind11::arg("table"),
+        pybind11::arg("out"));
+}

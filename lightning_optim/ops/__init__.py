@@ -1,0 +1,125 @@
+"""Compiled kernels: build/load, backend choice (cuda | cpu | torch) and the kernel lookup.
+
+Optimizers ask for a kernel by name at the top of their ``_update``::
+
+    kernel = ops.kernel("adam", batch)
+    if kernel is not None:
+        kernel(batch, apply, lr=..., ...)   # the whole bucket in one call
+        return
+    ...  # the foreach math: the pure-torch fallback, same results
+
+``kernel`` returns None whenever the torch path must run: backend ``torch`` chosen, the extension
+unavailable (one warning, with the reason), a device without kernels, or a batch the kernels do not
+cover (fp64, 16-bit states, non-contiguous tensors).
+
+Backend choice: the environment variable ``LIGHTNING_OPTIM_BACKEND``:
+
+* unset or ``auto``: CUDA tensors use the CUDA kernels when the extension was built with CUDA,
+  CPU tensors the CPU kernels; the torch fallback otherwise.
+* ``torch``: never use the extension.
+* ``cpu`` / ``cuda``: use that backend's kernels for tensors on that device, the torch path for
+  the others; the extension must build (an error, not a warning, when it does not).
+
+``python -m lightning_optim.ops build`` compiles ahead of time (CI, Docker images).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from lightning_optim.ops import _loader
+from lightning_optim.ops._loader import BuildError, build_root
+from lightning_optim.ops.fused import OPTIMIZER_KERNELS, RAW_KERNELS, supports
+
+__all__ = ["BACKENDS", "ENV_VAR", "BuildError", "backend_for", "build", "build_root", "extension", "kernel",
+           "requested_backend"]
+
+ENV_VAR = "LIGHTNING_OPTIM_BACKEND"
+BACKENDS = ("torch", "cpu", "cuda")
+
+_warned = False
+_kernels: dict[tuple[int, str], Any] = {}
+
+
+def requested_backend() -> str | None:
+    """The backend forced by ``LIGHTNING_OPTIM_BACKEND`` (None: automatic)."""
+    raw = os.environ.get(ENV_VAR, "")
+    value = raw.strip().lower()
+    if value in ("", "auto"):
+        return None
+    if value not in BACKENDS:
+        raise ValueError(f"{ENV_VAR}={raw!r} is not a backend: use one of {', '.join(BACKENDS)} (or auto / unset)")
+    return value
+
+
+def extension(required: bool = False) -> ModuleType | None:
+    """The compiled module, built on first use; None (after one warning) when unavailable.
+
+    ``required``: raise RuntimeError instead of warning (a backend was forced).
+    """
+    global _warned
+    try:
+        return _loader.build()
+    except BuildError as exc:
+        if required:
+            raise RuntimeError(f"{ENV_VAR}={requested_backend()}: the compiled kernels are unavailable: {exc}") from exc
+        if not _warned:
+            _warned = True
+            warnings.warn(
+                f"lightning-optim: compiled kernels unavailable ({exc}); using the pure-torch fallback "
+                f"(same results, slower). Set {ENV_VAR}=torch to skip the build and this warning.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        return None
+
+
+def backend_for(device: torch.device | str) -> str:
+    """``'cuda'``, ``'cpu'`` or ``'torch'``: what runs optimizer math for tensors on ``device``."""
+    kind = torch.device(device).type
+    forced = requested_backend()
+    if forced == "torch" or kind not in ("cpu", "cuda") or (forced is not None and forced != kind):
+        return "torch"
+    module = extension(required=forced is not None)
+    if module is None:
+        return "torch"
+    if kind == "cuda" and not module.with_cuda():
+        if forced == "cuda":
+            raise RuntimeError(f"{ENV_VAR}=cuda: the extension was built without CUDA (torch has no CUDA or nvcc "
+                               "was not found at build time)")
+        return "torch"
+    return kind
+
+
+def kernel(name: str, where: Any) -> Any | None:
+    """The kernel ``name`` for ``where`` (a device, or an optimizer Batch), or None: use torch.
+
+    Optimizer kernels (``adam``, ``sgd``, ``lion``, ``adan``, ``lamb``, ``lars``, ``stableadamw``)
+    take a Batch; with a Batch, its dtypes and layout are checked too. The 1-bit kernels
+    (``onebit_compress``, ``onebit_pack``, ``onebit_unpack``) take flat tensors.
+    """
+    batch = where if hasattr(where, "params") else None
+    device = batch.params[0].device if batch is not None else torch.device(where)
+    if name not in OPTIMIZER_KERNELS and name not in RAW_KERNELS:
+        raise KeyError(f"unknown kernel {name!r}; known: {sorted([*OPTIMIZER_KERNELS, *RAW_KERNELS])}")
+    if backend_for(device) == "torch":
+        return None
+    if batch is not None and not supports(batch):
+        return None
+    module = _loader.build()
+    if name in RAW_KERNELS:
+        return getattr(module, name)
+    key = (id(module), name)
+    if key not in _kernels:
+        _kernels[key] = OPTIMIZER_KERNELS[name](module)
+    return _kernels[key]
+
+
+def build(verbose: bool = False, force: bool = False) -> ModuleType:
+    """Compile now (raises BuildError with the reason on failure)."""
+    return _loader.build(verbose=verbose, force=force)
