@@ -3,14 +3,15 @@ Convergence Speed", arXiv 2102.02888), after DeepSpeed's ``onebit/adam.py``."""
 
 from __future__ import annotations
 
-from typing import Any
-
-from torch.distributed import ProcessGroup
+from typing import TYPE_CHECKING
 
 from lightning_optim.onebit.base import OnebitOptimizer, _Layout, check_step_count
 from lightning_optim.optim.adam import adam_deltas, adam_first_moment_, adam_second_moment_
 from lightning_optim.optim.base import ParamsT
 from lightning_optim.optim.validation import check_flag
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 __all__ = ["OnebitAdam"]
 

@@ -4,11 +4,10 @@ with LAMB's Convergence Speed", arXiv 2104.06069), after DeepSpeed's ``onebit/la
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
-from torch.distributed import ProcessGroup
 
 from lightning_optim.onebit.base import OnebitOptimizer, _Layout, check_step_count
 from lightning_optim.optim.adam import adam_second_moment_
@@ -20,6 +19,9 @@ from lightning_optim.optim.validation import (
     check_positive,
     check_unit_interval,
 )
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 __all__ = ["OnebitLamb"]
 
@@ -162,9 +164,12 @@ class OnebitLamb(OnebitOptimizer):
     def get_lamb_coeffs(self) -> list[float]:
         """The last step's coefficient of every trained param (warmup: the trust ratio;
         compression: the frozen ratio times the factor), in param-group order."""
-        if self._layout is None:
-            return []
-        return [self.state[p]["lamb_coeff"].item() for p in self._layout.params if "lamb_coeff" in self.state[p]]
+        return [
+            self.state[p]["lamb_coeff"].item()
+            for group in self.param_groups
+            for p in group["params"]
+            if p.requires_grad and "lamb_coeff" in self.state[p]
+        ]
 
     def _onebit_step(self, layout: _Layout, t: int) -> None:
         if t <= self.freeze_step:

@@ -3,15 +3,17 @@ Adam", arXiv 2202.06009), after DeepSpeed's ``onebit/zoadam.py``."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.distributed import ProcessGroup
 
 from lightning_optim.onebit.base import OnebitOptimizer, _Layout, check_step_count
 from lightning_optim.optim.adam import adam_deltas, adam_denominator, adam_first_moment_, adam_second_moment_
 from lightning_optim.optim.base import ParamsT
 from lightning_optim.optim.validation import check_flag
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 __all__ = ["ZeroOneAdam"]
 

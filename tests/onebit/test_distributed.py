@@ -7,7 +7,6 @@ the 3-rank checks and resume the 2-rank checkpoints. Each rank gets its own grad
 
 from __future__ import annotations
 
-import io
 import warnings
 
 import pytest
