@@ -1,0 +1,10 @@
+"""lightning-optim: fast, communication-efficient optimizers for PyTorch Lightning, Accelerate,
+the Hugging Face Trainer and Hydra.
+
+Importing this package must stay cheap: it must not import Lightning, Hydra or the training job.
+The main job lives in ``lightning_optim.train`` (``python -m lightning_optim.train``).
+"""
+
+__version__ = "0.1.0"
+
+# Public API re-exports (optimizers, strategies) go below this line as they land.

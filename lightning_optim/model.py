@@ -1,0 +1,202 @@
+"""A small decoder-only (GPT-style) byte language model for the demo job.
+
+`ByteGPT` is the plain ``nn.Module``; `LanguageModel` is the LightningModule that trains it and
+builds the optimizer from a Hydra partial, so any optimizer config can be swapped in.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, Callable, Optional
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+VOCAB_SIZE = 256  # bytes
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention using torch's fused SDPA kernel."""
+
+    def __init__(self, d_model: int, n_head: int, dropout: float) -> None:
+        super().__init__()
+        if d_model % n_head != 0:
+            raise ValueError(f"model.d_model={d_model} must be divisible by model.n_head={n_head}")
+        self.n_head = n_head
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.proj = nn.Linear(d_model, d_model)
+        self.dropout = dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, width = x.shape
+        q, k, v = self.qkv(x).split(width, dim=2)
+        # (batch, seq, width) -> (batch, heads, seq, head_dim)
+        q, k, v = (t.view(batch, seq, self.n_head, -1).transpose(1, 2) for t in (q, k, v))
+        drop = self.dropout if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=drop, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(batch, seq, width))
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, d_model: int, n_head: int, mlp_ratio: int, dropout: float) -> None:
+        super().__init__()
+        self.ln_attn = nn.LayerNorm(d_model)
+        self.attn = CausalSelfAttention(d_model, n_head, dropout)
+        self.ln_mlp = nn.LayerNorm(d_model)
+        self.mlp = nn.Sequential(
+            nn.Linear(d_model, mlp_ratio * d_model),
+            nn.GELU(),
+            nn.Linear(mlp_ratio * d_model, d_model),
+            nn.Dropout(dropout),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_attn(x))
+        return x + self.mlp(self.ln_mlp(x))
+
+
+class ByteGPT(nn.Module):
+    """Token + learned position embeddings, pre-LN blocks, final LayerNorm, head tied to the embedding."""
+
+    def __init__(
+        self,
+        max_seq_len: int,
+        n_layer: int = 4,
+        n_head: int = 4,
+        d_model: int = 128,
+        mlp_ratio: int = 4,
+        dropout: float = 0.0,
+        vocab_size: int = VOCAB_SIZE,
+    ) -> None:
+        super().__init__()
+        self.max_seq_len = max_seq_len
+        self.tok_emb = nn.Embedding(vocab_size, d_model)
+        self.pos_emb = nn.Embedding(max_seq_len, d_model)
+        self.drop = nn.Dropout(dropout)
+        self.blocks = nn.ModuleList(Block(d_model, n_head, mlp_ratio, dropout) for _ in range(n_layer))
+        self.ln_out = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, vocab_size, bias=False)
+        self.head.weight = self.tok_emb.weight  # weight tying
+        self.apply(_init_weights)
+        # GPT-2 style: shrink residual-branch outputs so depth does not blow up the residual stream.
+        for name, param in self.named_parameters():
+            if name.endswith(("attn.proj.weight", "mlp.2.weight")):
+                nn.init.normal_(param, std=0.02 / math.sqrt(2 * n_layer))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Map (batch, seq) byte ids to (batch, seq, vocab) logits."""
+        seq = tokens.shape[1]
+        if seq > self.max_seq_len:
+            raise ValueError(f"sequence length {seq} exceeds max_seq_len={self.max_seq_len}")
+        positions = torch.arange(seq, device=tokens.device)
+        x = self.drop(self.tok_emb(tokens) + self.pos_emb(positions))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_out(x))
+
+
+def _init_weights(module: nn.Module) -> None:
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(module.weight, std=0.02)
+    if isinstance(module, nn.Linear) and module.bias is not None:
+        nn.init.zeros_(module.bias)
+
+
+def param_groups(model: nn.Module) -> list[dict[str, Any]]:
+    """Split parameters into a decayed group (matrices) and a no-decay group.
+
+    Biases, LayerNorm weights and embeddings get ``weight_decay=0``. The decayed group carries no
+    ``weight_decay`` key, so the optimizer's own setting (from its config) applies to it.
+    """
+    decay, no_decay = [], []
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    for param in dict(model.named_parameters()).values():  # dict(): tied weights appear once
+        if not param.requires_grad:
+            continue
+        if param.ndim < 2 or id(param) in embeddings:
+            no_decay.append(param)
+        else:
+            decay.append(param)
+    groups = [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [group for group in groups if group["params"]]
+
+
+def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
+    """LR multiplier: linear warmup to 1, then cosine decay to ``min_lr_ratio`` at ``total_steps``."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    span = max(1, total_steps - warmup_steps)
+    progress = min(1.0, (step - warmup_steps) / span)
+    return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+class LanguageModel(L.LightningModule):
+    """Next-byte prediction with cross-entropy; logs ``train_loss``, ``val_loss`` and ``tokens``.
+
+    Args:
+        model_kwargs: keyword arguments for `ByteGPT` (the ``model/`` config group).
+        max_seq_len: longest sequence the position embedding supports (``data.seq_len``).
+        optimizer: a callable taking param groups and returning an optimizer (a Hydra partial).
+        split_weight_decay: put biases, norms and embeddings in a no-decay group.
+        scheduler: ``None`` or a dict with ``warmup_steps`` and ``min_lr_ratio`` (warmup + cosine
+            over ``trainer.max_steps``).
+    """
+
+    def __init__(
+        self,
+        model_kwargs: dict[str, Any],
+        max_seq_len: int,
+        optimizer: Callable[..., torch.optim.Optimizer],
+        split_weight_decay: bool = True,
+        scheduler: Optional[dict[str, Any]] = None,
+    ) -> None:
+        super().__init__()
+        self.net = ByteGPT(max_seq_len=max_seq_len, **model_kwargs)
+        self.optimizer_factory = optimizer
+        self.split_weight_decay = split_weight_decay
+        self.scheduler_cfg = scheduler
+        self.tokens_seen = 0  # global count, all ranks
+        self.last_val_step = -1  # optimizer step of the latest validation run
+
+    def _loss(self, batch: torch.Tensor) -> torch.Tensor:
+        inputs, targets = batch[:, :-1], batch[:, 1:]
+        logits = self.net(inputs)
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        loss = self._loss(batch)
+        self.tokens_seen += (batch.shape[0] * (batch.shape[1] - 1)) * self.trainer.world_size
+        self.log("train_loss", loss, prog_bar=True)
+        self.log("tokens", float(self.tokens_seen))
+        return loss
+
+    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        self.log("val_loss", self._loss(batch), prog_bar=True, sync_dist=True)
+
+    def on_validation_epoch_end(self) -> None:
+        if not self.trainer.sanity_checking:
+            self.last_val_step = self.global_step
+
+    def configure_optimizers(self) -> Any:
+        if self.split_weight_decay:
+            optimizer = self.optimizer_factory(param_groups(self.net))
+        else:
+            optimizer = self.optimizer_factory(self.net.parameters())
+        if not self.scheduler_cfg:
+            return optimizer
+        total = self.trainer.max_steps
+        if total is None or total < 1:
+            raise ValueError("scheduler needs trainer.max_steps >= 1 (set scheduler=null to disable it)")
+        schedule = functools.partial(
+            warmup_cosine,
+            warmup_steps=int(self.scheduler_cfg["warmup_steps"]),
+            total_steps=total,
+            min_lr_ratio=float(self.scheduler_cfg["min_lr_ratio"]),
+        )
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

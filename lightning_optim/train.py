@@ -1,0 +1,128 @@
+"""The main job: train the byte-level GPT with any optimizer/strategy/precision config.
+
+    python -m lightning_optim.train                                   # defaults (about a minute on CPU)
+    python -m lightning_optim.train optimizer=sgd model=small trainer.max_steps=200
+    python -m lightning_optim.train -m optimizer.lr=1e-3,3e-3 trainer=smoke   # a sweep
+
+Outputs go to Hydra's run directory (``outputs/<date>/<time>``): metrics.csv, loss.png,
+summary.json, train.log and the resolved config under .hydra/.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import hydra
+import lightning as L
+from hydra.core.hydra_config import HydraConfig
+from lightning.pytorch.loggers import CSVLogger
+from omegaconf import DictConfig, OmegaConf
+
+from lightning_optim.data import ByteDataModule
+from lightning_optim.model import LanguageModel
+from lightning_optim.report import format_table, plot_losses, write_summary
+
+# Relative to this file: the configs live in the lightning_optim.conf package (shipped in the wheel).
+CONFIG_PATH = "conf"
+CONFIG_NAME = "train"
+
+
+class ThroughputMeter(L.Callback):
+    """Sums the wall time of training batches (forward, backward, optimizer step), not validation."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._batch_start = 0.0
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        self._batch_start = time.perf_counter()
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self.seconds += time.perf_counter() - self._batch_start
+
+
+def lightning_arg(option: dict[str, Any]) -> Any:
+    """A strategy/precision option: ``{name: <registry name>}`` or a ``_target_`` to instantiate."""
+    if "_target_" in option:
+        return hydra.utils.instantiate(option)
+    return option["name"]
+
+
+def build_trainer(cfg: dict[str, Any], output_dir: Path, callbacks: list[L.Callback]) -> L.Trainer:
+    """A Lightning Trainer from the ``trainer``, ``strategy`` and ``precision`` groups."""
+    # name="" and version="" put metrics.csv (and checkpoints/) straight into the run directory.
+    logger = CSVLogger(save_dir=str(output_dir), name="", version="")
+    return L.Trainer(
+        **cfg["trainer"],
+        strategy=lightning_arg(cfg["strategy"]),
+        precision=lightning_arg(cfg["precision"]),
+        logger=logger,
+        callbacks=callbacks,
+        default_root_dir=str(output_dir),
+    )
+
+
+def build_model(cfg: dict[str, Any]) -> LanguageModel:
+    """The LightningModule, with the optimizer config as a partial taking param groups."""
+    return LanguageModel(
+        model_kwargs=cfg["model"],
+        max_seq_len=cfg["data"]["seq_len"],
+        optimizer=hydra.utils.instantiate(cfg["optimizer"]),
+        split_weight_decay=cfg["split_weight_decay"],
+        scheduler=cfg["scheduler"],
+    )
+
+
+def run(config: DictConfig, output_dir: Path) -> dict[str, Any]:
+    """Validate, train, validate again if needed; on rank 0 write the outputs. Returns the summary."""
+    # Plain containers from here on; a missing mandatory value ("???") fails now, naming its key.
+    cfg = OmegaConf.to_container(config, resolve=True, throw_on_missing=True)
+    # The data is one in-memory tensor; DataLoader workers would only compete for the CPU.
+    warnings.filterwarnings("ignore", ".*does not have many workers.*")
+    # Hydra's run directory always holds .hydra/ already; CSVLogger only rewrites its own files.
+    warnings.filterwarnings("ignore", ".*Experiment logs directory .* exists and is not empty.*")
+    start = time.perf_counter()
+    output_dir.mkdir(parents=True, exist_ok=True)
+    L.seed_everything(cfg["seed"], workers=True)
+    datamodule = ByteDataModule(**cfg["data"])
+    model = build_model(cfg)
+    meter = ThroughputMeter()
+    trainer = build_trainer(cfg, output_dir, callbacks=[meter])
+
+    initial_val = trainer.validate(model, datamodule=datamodule, verbose=False)[0]["val_loss"]
+    trainer.fit(model, datamodule=datamodule)
+    final_train = float(trainer.callback_metrics["train_loss"])  # a later validate() clears it
+    if model.last_val_step != trainer.global_step:  # last scheduled validation was before the end
+        trainer.validate(model, datamodule=datamodule, verbose=False)
+    summary = {
+        "output_dir": str(output_dir),
+        "initial_val_loss": float(initial_val),
+        "final_val_loss": float(trainer.callback_metrics["val_loss"]),
+        "final_train_loss": final_train,
+        "steps": trainer.global_step,
+        "tokens": model.tokens_seen,
+        "train_tokens_per_sec": model.tokens_seen / max(meter.seconds, 1e-9),
+        "wall_time_s": time.perf_counter() - start,
+        "num_params": sum(p.numel() for p in model.parameters()),
+        "world_size": trainer.world_size,
+        "config": cfg,
+    }
+    if trainer.is_global_zero:
+        trainer.logger.save()
+        plot_losses(Path(trainer.logger.log_dir) / "metrics.csv", output_dir / "loss.png")
+        write_summary(output_dir / "summary.json", summary)
+        print(format_table(summary), flush=True)
+    return summary
+
+
+@hydra.main(config_path=CONFIG_PATH, config_name=CONFIG_NAME, version_base="1.3")
+def main(cfg: DictConfig) -> float:
+    """Hydra entry point; returns the final validation loss (what a sweeper would minimise)."""
+    return run(cfg, Path(HydraConfig.get().runtime.output_dir))["final_val_loss"]
+
+
+if __name__ == "__main__":
+    main()
