@@ -224,13 +224,13 @@ class OnebitOptimizer(BaseOptimizer):
                 if self._uses_kahan(group, p):
                     state["kahan_comp"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             buckets.setdefault((gi, p.dtype, "kahan_comp" in state), []).append(i)
-        layout.buckets = [(key[0], idx) for key, idx in buckets.items()]
+        layout.buckets = [(bucket[0], idx) for bucket, idx in buckets.items()]
         self._layout = layout
-        for key in self._flat_keys:
-            self._flat(key)
-        for key in self._lazy_flat_keys:
-            if self._has_state(key):
-                self._flat(key)  # made in a later stage; a checkpoint brought it back
+        for name in self._flat_keys:
+            self._flat(name)
+        for name in self._lazy_flat_keys:
+            if self._has_state(name):
+                self._flat(name)  # made in a later stage; a checkpoint brought it back
         return layout
 
     def _check_same_params_on_every_rank(self, layout: _Layout) -> None:
