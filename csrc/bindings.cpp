@@ -373,6 +373,16 @@ void onebit_unpack_table(const at::Tensor& packed, const at::Tensor& table, cons
               out.data_ptr(), out.numel());
 }
 
+// Benchmarks: the memory roof of this machine for an in-place 4-read/3-write fp32 pass.
+void cpu_roof(const at::Tensor& a, const at::Tensor& b, const at::Tensor& c, const at::Tensor& d) {
+  for (const at::Tensor* t : {&a, &b, &c, &d}) {
+    check_flat(*t, "cpu_roof", at::kFloat, at::Device(at::kCPU));
+    TORCH_CHECK_VALUE(t->numel() == a.numel(), "cpu_roof: tensors of one size");
+  }
+  lo::cpu::roof(exec_for(a.device()), a.data_ptr<float>(), b.data_ptr<float>(), c.data_ptr<float>(), d.data_ptr<float>(),
+                a.numel());
+}
+
 bool with_cuda() {
 #ifdef WITH_CUDA
   return true;
@@ -386,6 +396,7 @@ bool with_cuda() {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "lightning-optim fused optimizer and 1-bit kernels (CPU, and CUDA when built with it)";
   m.def("with_cuda", &with_cuda);
+  m.def("cpu_roof", &cpu_roof);
   m.def("adam", &adam);
   m.def("sgd", &sgd);
   m.def("lion", &lion);

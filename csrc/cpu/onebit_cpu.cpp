@@ -176,5 +176,27 @@ void onebit_unpack_table(const Exec& ex, const uint8_t* packed, DType out_type, 
 #endif
 }
 
+namespace {
+struct RoofOp {
+  static constexpr int depth = 4;
+  struct Ptrs { float* a; float* b; float* c; const float* d; };
+  Ptrs bind(void* const* p, int64_t) const {
+    return Ptrs{static_cast<float*>(p[0]), static_cast<float*>(p[1]), static_cast<float*>(p[2]),
+                static_cast<const float*>(p[3])};
+  }
+  LO_INLINE void operator()(const Ptrs& t, int64_t i) const {
+    const float d = t.d[i];
+    t.a[i] += d;
+    t.b[i] += d;
+    t.c[i] += d;
+  }
+};
+}  // namespace
+
+void roof(const Exec& ex, float* a, float* b, float* c, const float* d, int64_t n) {
+  void* ptrs[4] = {a, b, c, const_cast<float*>(d)};
+  cpu_foreach(ex, flat(&n, ptrs, 4), RoofOp{});
+}
+
 }  // namespace cpu
 }  // namespace lo

@@ -33,6 +33,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_optim import ops
+
 from .dense import world_size as _world_size
 from .packing import pack_bits_, sign_table, unpack_into
 from .stats import CommStats, comm_stats
@@ -137,10 +139,14 @@ def _norm_scale(values: Tensor) -> Tensor:
 def _compress_into(values: Tensor, real: int, scale: Tensor, bits: Tensor, packed: Tensor,
                    error: Tensor, index: Tensor) -> None:
     """Pack sign(values) into ``packed`` and set ``error = values - scale*sign`` (0 past ``real``)."""
-    torch.ge(values, 0, out=bits)
-    pack_bits_(bits, packed)
-    unpack_into(packed, error, sign_table(torch.float32, values.device) * scale, index)
-    torch.sub(values, error, out=error)
+    kernel = ops.kernel("onebit_compress", values.device)
+    if kernel is not None:  # compiled: signs, packing and residual in one pass (bit-identical)
+        kernel(values, error, packed, float(scale), add_err=False)
+    else:
+        torch.ge(values, 0, out=bits)
+        pack_bits_(bits, packed)
+        unpack_into(packed, error, sign_table(torch.float32, values.device) * scale, index)
+        torch.sub(values, error, out=error)
     error[real:].zero_()
 
 

@@ -23,6 +23,8 @@ import sys
 import torch
 from torch import Tensor
 
+from lightning_optim import ops
+
 __all__ = ["pack_signs", "unpack_signs", "pack_bits_", "unpack_into", "sign_table", "packed_size"]
 
 # Sum of 2**(56 - 7*i) for i in 0..7: gathers the low bit of byte i of a little-endian uint64
@@ -31,6 +33,7 @@ _GATHER_BITS = 0x0102040810204080
 _LITTLE_ENDIAN = sys.byteorder == "little"
 _BIT_WEIGHTS: dict[torch.device, Tensor] = {}
 _TABLES: dict[tuple[torch.dtype, torch.device], Tensor] = {}
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def packed_size(numel: int) -> int:
@@ -99,6 +102,12 @@ def unpack_into(packed: Tensor, out: Tensor, table: Tensor, index: Tensor | None
     k = packed.numel()
     if out.numel() != 8 * k:
         raise ValueError(f"unpack_into: out has {out.numel()} elements, expected {8 * k}")
+    if (out.dtype in _KERNEL_DTYPES and table.dtype == out.dtype and out.is_contiguous() and packed.is_contiguous()
+            and table.is_contiguous()):
+        kernel = ops.kernel("onebit_unpack_table", out.device)
+        if kernel is not None:  # compiled: the same table lookup, vectorised and threaded
+            kernel(packed.reshape(-1), table, out.view(-1))
+            return out
     if index is None:
         index = packed.reshape(-1).long()
     else:
