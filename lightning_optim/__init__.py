@@ -8,3 +8,49 @@ The main job lives in ``lightning_optim.train`` (``python -m lightning_optim.tra
 __version__ = "0.1.0"
 
 # Public API re-exports (optimizers, strategies) go below this line as they land.
+
+from lightning_optim.onebit import OnebitAdam, OnebitLamb, ZeroOneAdam
+from lightning_optim.optim import (
+    SGD,
+    Adam,
+    AdamW,
+    Adan,
+    CPUAdam,
+    FusedAdam,
+    FusedLamb,
+    FusedSGD,
+    Lamb,
+    Lars,
+    Lion,
+    RAdam,
+    Ranger,
+    SignSGD,
+    SparsifiedSGD,
+    StableAdamW,
+    prepare_for_gradient_release,
+    remove_gradient_release,
+)
+
+__all__ = [
+    "SGD",
+    "Adam",
+    "AdamW",
+    "Adan",
+    "CPUAdam",
+    "FusedAdam",
+    "FusedLamb",
+    "FusedSGD",
+    "Lamb",
+    "Lars",
+    "Lion",
+    "OnebitAdam",
+    "OnebitLamb",
+    "RAdam",
+    "Ranger",
+    "SignSGD",
+    "SparsifiedSGD",
+    "StableAdamW",
+    "ZeroOneAdam",
+    "prepare_for_gradient_release",
+    "remove_gradient_release",
+]
