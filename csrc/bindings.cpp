@@ -2,7 +2,10 @@
 // include/kernel_api.h called on the CPU (cpu/) or, when built WITH_CUDA, on the GPU (cuda/).
 // Every argument is checked here (device, dtype, contiguity, sizes) before any tensor is touched,
 // so a refused call leaves everything as it was.
-#include <torch/extension.h>
+// ATen + torch's pybind casters only: a third of torch/extension.h's compile time.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <string>
 #include <vector>
@@ -383,6 +386,14 @@ void cpu_roof(const at::Tensor& a, const at::Tensor& b, const at::Tensor& c, con
                 a.numel());
 }
 
+// True when every tensor of both lists is contiguous (one call instead of one per tensor from Python).
+bool all_contiguous(const TensorList& a, const TensorList& b) {
+  for (const TensorList* list : {&a, &b})
+    for (const at::Tensor& t : *list)
+      if (!t.is_contiguous()) return false;
+  return true;
+}
+
 bool with_cuda() {
 #ifdef WITH_CUDA
   return true;
@@ -397,6 +408,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "lightning-optim fused optimizer and 1-bit kernels (CPU, and CUDA when built with it)";
   m.def("with_cuda", &with_cuda);
   m.def("cpu_roof", &cpu_roof);
+  m.def("all_contiguous", &all_contiguous);
   m.def("adam", &adam);
   m.def("sgd", &sgd);
   m.def("lion", &lion);

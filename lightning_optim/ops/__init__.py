@@ -109,9 +109,9 @@ def kernel(name: str, where: Any) -> Any | None:
         raise KeyError(f"unknown kernel {name!r}; known: {sorted([*OPTIMIZER_KERNELS, *RAW_KERNELS])}")
     if backend_for(device) == "torch":
         return None
-    if batch is not None and not supports(batch):
-        return None
     module = _loader.build()
+    if batch is not None and not supports(batch, module):
+        return None
     if name in RAW_KERNELS:
         return getattr(module, name)
     key = (id(module), name)

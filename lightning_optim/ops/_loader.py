@@ -21,8 +21,8 @@ import torch
 _PKG = Path(__file__).resolve().parent
 _CANDIDATES = (_PKG / "csrc", _PKG.parent.parent / "csrc")
 
-CPU_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-ffp-contract=off", "-std=c++17"]
-NVCC_FLAGS = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-DWITH_CUDA"]
+CPU_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-ffp-contract=off"]
+NVCC_FLAGS = ["-O3", "--expt-relaxed-constexpr", "-DWITH_CUDA"]
 BUILD_SECONDS = {"cpu": 40, "cuda": 180}  # rough, on 2 cores; printed with the progress line
 
 _module: ModuleType | None = None

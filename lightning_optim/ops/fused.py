@@ -20,11 +20,14 @@ from torch import Tensor
 SUPPORTED_PARAMS = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def supports(batch: Any) -> bool:
-    """The kernels run fp32 math and state over fp32/bf16/fp16 params, dense and contiguous."""
+def supports(batch: Any, ext: ModuleType) -> bool:
+    """The kernels run fp32 math and state over fp32/bf16/fp16 params, dense and contiguous.
+
+    (A bucket shares one param dtype and compute dtype; states are made like their params.)
+    """
     if batch.compute_dtype != torch.float32 or batch.params[0].dtype not in SUPPORTED_PARAMS:
         return False
-    return all(p.is_contiguous() for p in batch.params) and all(g.is_contiguous() for g in batch.grads)
+    return ext.all_contiguous(batch.params, batch.grads)
 
 
 def _comps(batch: Any) -> list[Tensor]:
