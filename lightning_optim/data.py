@@ -137,7 +137,7 @@ class ByteDataModule(L.LightningDataModule):
         max_bytes: Optional[int] = 2_000_000,
         val_fraction: float = 0.1,
         seq_len: int = 128,
-        batch_size: int = 32,
+        batch_size: int = 16,
         val_windows: int = 256,
         seed: int = 0,
         num_workers: int = 0,
