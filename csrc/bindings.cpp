@@ -7,6 +7,7 @@
 #include <ATen/Parallel.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -120,7 +121,7 @@ lo::Exec exec_for(const at::Device& device) {
 }
 
 #ifdef WITH_CUDA
-#define LO_GUARD(dev) c10::cuda::OptionalCUDAGuard guard_(dev.is_cuda() ? c10::optional<at::Device>(dev) : c10::nullopt)
+#define LO_GUARD(dev) c10::cuda::OptionalCUDAGuard guard_(dev.is_cuda() ? std::optional<at::Device>(dev) : std::nullopt)
 #define LO_CALL(packed, fn, ...) \
   (is_cuda(packed) ? lo::cuda::fn(__VA_ARGS__) : lo::cpu::fn(__VA_ARGS__))
 #define LO_CALL_DEV(device, fn, ...) \
@@ -247,7 +248,7 @@ at::Tensor lars_norms(const TensorList& params, const TensorList& grads) {
 }
 
 void lars(const TensorList& params, const TensorList& grads, const TensorList& momentum_buffers,
-          const TensorList& kahan_comps, const c10::optional<at::Tensor>& scales, double wd, double lo_clip,
+          const TensorList& kahan_comps, const std::optional<at::Tensor>& scales, double wd, double lo_clip,
           double hi_clip, double momentum, bool first, bool apply) {
   Packed p = pack({{&params, "params", Role::Param}, {&grads, "grads", Role::Grad},
                    {&momentum_buffers, "momentum_buffers", Role::F32}, {&kahan_comps, "kahan_comps", Role::SameAsParam}});
@@ -304,7 +305,7 @@ void check_packed(const at::Tensor& packed, int64_t n, const at::Device& device)
 // z = x + err (add_err) or z = x; packed <- signs of z; err <- z - scale * sign(z).
 // Returns the scale used: the given one, else ||z|| / sqrt(n).
 double onebit_compress(const at::Tensor& x, const at::Tensor& err, const at::Tensor& packed,
-                       c10::optional<double> scale, bool add_err) {
+                       std::optional<double> scale, bool add_err) {
   const at::Device device = x.device();
   check_flat(x, "x", at::kFloat, device);
   check_flat(err, "err", at::kFloat, device);

@@ -23,7 +23,7 @@ _CANDIDATES = (_PKG / "csrc", _PKG.parent.parent / "csrc")
 
 CPU_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-ffp-contract=off"]
 NVCC_FLAGS = ["-O3", "--expt-relaxed-constexpr", "-DWITH_CUDA"]
-BUILD_SECONDS = {"cpu": 40, "cuda": 180}  # rough, on 2 cores; printed with the progress line
+BUILD_SECONDS = {"cpu": 60, "cuda": 240}  # rough, on 2 cores (a clean CPU build took 65 s under load); printed
 
 _module: ModuleType | None = None
 _error: str | None = None
