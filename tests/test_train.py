@@ -16,7 +16,8 @@ from lightning_optim.model import warmup_cosine
 from lightning_optim.train import run
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-FAST = ["trainer=smoke", "data.max_bytes=300000"]
+# One process whatever the default strategy is: an in-process DDP launch would re-run pytest's argv.
+FAST = ["trainer=smoke", "data.max_bytes=300000", "strategy=auto", "trainer.devices=1"]
 
 
 def rows(metrics_csv: Path, name: str) -> list[float]:
@@ -76,7 +77,7 @@ def test_warmup_cosine_schedule():
     assert factors[110] == pytest.approx(0.1) and factors[119] == pytest.approx(0.1)
 
 
-def test_cli_sweep_from_another_directory(tmp_path: Path):
+def test_cli_sweep_from_another_directory(compose_train, tmp_path: Path):
     """``-m`` runs one job per value, each writing its own outputs; cwd is not the repository."""
     command = [sys.executable, "-m", "lightning_optim.train", "-m", "optimizer=adamw,sgd",
                *FAST, "trainer.max_steps=3", f"hydra.sweep.dir={tmp_path / 'sweep'}"]
@@ -86,11 +87,11 @@ def test_cli_sweep_from_another_directory(tmp_path: Path):
     summaries = sorted((tmp_path / "sweep").glob("*/summary.json"))
     assert len(summaries) == 2
     targets = {json.loads(p.read_text())["config"]["optimizer"]["_target_"] for p in summaries}
-    assert targets == {"torch.optim.AdamW", "torch.optim.SGD"}
+    assert targets == {compose_train(f"optimizer={name}").optimizer._target_ for name in ("adamw", "sgd")}
 
 
 def test_cli_reports_bad_data_path(tmp_path: Path):
-    command = [sys.executable, "-m", "lightning_optim.train", "trainer=smoke",
+    command = [sys.executable, "-m", "lightning_optim.train", *FAST,
                f"data.path={tmp_path / 'missing'}", f"hydra.run.dir={tmp_path / 'run'}"]
     result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert result.returncode != 0
