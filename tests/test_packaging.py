@@ -75,3 +75,16 @@ def test_import_is_cheap():
     code = f"import sys, lightning_optim; print(sorted(m for m in {heavy!r} if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_wheel_ships_the_kernel_sources(wheel: Path):
+    """A non-editable install compiles its kernels from lightning_optim/ops/csrc (setup.py copies csrc/)."""
+    names = set(zipfile.ZipFile(wheel).namelist())
+    expected = {
+        f"lightning_optim/ops/csrc/{p.relative_to(REPO / 'csrc').as_posix()}"
+        for p in (REPO / "csrc").rglob("*")
+        if p.suffix in {".h", ".cuh", ".cpp", ".cu"}
+    }
+    assert "lightning_optim/ops/csrc/bindings.cpp" in expected
+    missing = expected - names
+    assert not missing, f"kernel sources missing from the wheel: {sorted(missing)}"
