@@ -27,7 +27,7 @@ def supports(batch: Any, ext: ModuleType) -> bool:
     """
     if batch.compute_dtype != torch.float32 or batch.params[0].dtype not in SUPPORTED_PARAMS:
         return False
-    return ext.all_contiguous(batch.params, batch.grads)
+    return ext.all_contiguous(batch.params, batch.raw_grads)
 
 
 def _comps(batch: Any) -> list[Tensor]:
@@ -47,7 +47,7 @@ def adam(ext: ModuleType) -> Callable[..., None]:
     def run(batch: Any, apply: bool, *, lr: float, beta1: float, beta2: float, eps: float, l2: float,
             bc1: float, bc2: float, decay: float, amsgrad: bool) -> None:
         keep, neg = _decay(decay)
-        ext.adam(_params(batch), batch.grads, batch.state("exp_avg"), batch.state("exp_avg_sq"),
+        ext.adam(_params(batch), batch.raw_grads, batch.state("exp_avg"), batch.state("exp_avg_sq"),
                  batch.state("max_exp_avg_sq") if amsgrad else [], _comps(batch), [],
                  1 - beta1, beta2, 1 - beta2, -lr / bc1, math.sqrt(bc2), eps, l2, keep, neg, apply)
     return run
@@ -58,7 +58,7 @@ def sgd(ext: ModuleType) -> Callable[..., None]:
             l2_pre: float, l2_post: float, decay: float) -> None:
         keep, neg = _decay(decay)
         bufs = batch.state("momentum_buffer") if momentum != 0 else []
-        ext.sgd(_params(batch), batch.grads, bufs, _comps(batch), momentum, 1 - dampening, l2_pre, l2_post,
+        ext.sgd(_params(batch), batch.raw_grads, bufs, _comps(batch), momentum, 1 - dampening, l2_pre, l2_post,
                 -lr, batch.step == 1, nesterov, keep, neg, apply)
     return run
 
@@ -66,7 +66,7 @@ def sgd(ext: ModuleType) -> Callable[..., None]:
 def lion(ext: ModuleType) -> Callable[..., None]:
     def run(batch: Any, apply: bool, *, lr: float, beta1: float, beta2: float, decay: float) -> None:
         keep, neg = _decay(decay)
-        ext.lion(_params(batch), batch.grads, batch.state("exp_avg"), _comps(batch), 1 - beta1, 1 - beta2, -lr,
+        ext.lion(_params(batch), batch.raw_grads, batch.state("exp_avg"), _comps(batch), 1 - beta1, 1 - beta2, -lr,
                  keep, neg, apply)
     return run
 
@@ -77,7 +77,7 @@ def adan(ext: ModuleType) -> Callable[..., None]:
         keep, neg = _decay(decay)
         t = batch.step
         bc1, bc2, bc3 = 1 - beta1**t, 1 - beta2**t, 1 - beta3**t
-        ext.adan(_params(batch), batch.grads, batch.state("exp_avg"), batch.state("exp_avg_diff"),
+        ext.adan(_params(batch), batch.raw_grads, batch.state("exp_avg"), batch.state("exp_avg_diff"),
                  batch.state("exp_avg_sq"), batch.state("prev_grad"), _comps(batch), 1 - beta1, 1 - beta2, beta2,
                  beta3, 1 - beta3, bc1, beta2 / bc2, math.sqrt(bc3), eps, step_size, t == 1, keep, neg, apply)
     return run
@@ -92,7 +92,7 @@ class Lamb:
     def moments(self, batch: Any, *, clip_div: float, l2: float, beta1: float, m_coef: float, beta2: float,
                 bc1: float, bc2: float, eps: float, wd: float, eps_inside_sqrt: bool, norms: bool) -> Tensor:
         """Update the moments; with ``norms`` return the per-tensor (|p|, |u|) in fp32."""
-        sums = self.ext.lamb_moments(batch.params, batch.grads, batch.state("exp_avg"), batch.state("exp_avg_sq"),
+        sums = self.ext.lamb_moments(batch.params, batch.raw_grads, batch.state("exp_avg"), batch.state("exp_avg_sq"),
                                      clip_div, l2, beta1, m_coef, beta2, 1 - beta2, bc1, bc2, eps, wd,
                                      eps_inside_sqrt, norms)
         return sums.sqrt().float()
@@ -112,13 +112,13 @@ class Lars:
 
     def norms(self, batch: Any) -> Tensor:
         """Per-tensor (|p|, |g|) in fp32."""
-        return self.ext.lars_norms(batch.params, batch.grads).sqrt().float()
+        return self.ext.lars_norms(batch.params, batch.raw_grads).sqrt().float()
 
     def step(self, batch: Any, apply: bool, scales: Tensor | None, *, weight_decay: float, grad_clip: float | None,
              momentum: float) -> None:
         clip = math.inf if grad_clip is None else grad_clip
         bufs = batch.state("momentum_buffer") if momentum != 0 else []
-        self.ext.lars(_params(batch), batch.grads, bufs, _comps(batch),
+        self.ext.lars(_params(batch), batch.raw_grads, bufs, _comps(batch),
                       None if scales is None else scales.float().contiguous(), weight_decay, -clip, clip, momentum,
                       batch.step == 1, apply)
 
@@ -130,7 +130,7 @@ class StableAdamW:
         self.ext = ext
 
     def moments(self, batch: Any, *, beta1: float, beta2: float, bc2: float, eps: float, rms: bool) -> list[float]:
-        sums = self.ext.stable_moments(batch.params, batch.grads, batch.state("exp_avg"), batch.state("exp_avg_sq"),
+        sums = self.ext.stable_moments(batch.params, batch.raw_grads, batch.state("exp_avg"), batch.state("exp_avg_sq"),
                                        1 - beta1, beta2, 1 - beta2, bc2, eps * eps, rms)
         numels = torch.tensor([p.numel() for p in batch.params], dtype=torch.float64)
         return (sums[:, 0].cpu() / numels).tolist()

@@ -48,19 +48,29 @@ ParamsT = Iterable[Tensor] | Iterable[dict[str, Any]]
 class Batch:
     """Tensors of one param group that are updated together.
 
-    ``grads`` are in ``compute_dtype`` (the state dtype); they may alias ``param.grad`` and
-    must not be modified in place.
+    ``raw_grads`` are the gradients as they are (sign flipped for ``maximize``); ``grads`` are
+    the same in ``compute_dtype`` (the state dtype), cast on first use so compiled kernels, which
+    read 16-bit gradients directly, never pay for the copy. Both may alias ``param.grad`` and must
+    not be modified in place.
     """
 
     params: list[Tensor]
-    grads: list[Tensor]
+    raw_grads: list[Tensor]
     states: list[dict[str, Any]]
     step: int
     compute_dtype: torch.dtype
     _params_compute: list[Tensor] | None = field(default=None, repr=False)
+    _grads: list[Tensor] | None = field(default=None, repr=False)
 
     def state(self, key: str) -> list[Tensor]:
         return [s[key] for s in self.states]
+
+    @property
+    def grads(self) -> list[Tensor]:
+        if self._grads is None:
+            dtype = self.compute_dtype
+            self._grads = [g if g.dtype == dtype else g.to(dtype) for g in self.raw_grads]
+        return self._grads
 
     @property
     def params_compute(self) -> list[Tensor]:
@@ -88,6 +98,7 @@ class BaseOptimizer(torch.optim.Optimizer):
         self._optimizer_accumulation = False
         self._released = False
         self._warned_kahan = False
+        self._plans: dict[int, tuple[tuple, list]] = {}
         self._group_index: dict[int, int] | None = None
         super().__init__(params, defaults)
 
@@ -118,6 +129,7 @@ class BaseOptimizer(torch.optim.Optimizer):
             check_positive("max_lr", merged["max_lr"])
         self._check_group(merged)
         self._group_index = None
+        self.__dict__.setdefault("_plans", {}).clear()
         super().add_param_group(param_group)
 
     # ------------------------------------------------------------------ public flags
@@ -158,12 +170,12 @@ class BaseOptimizer(torch.optim.Optimizer):
         if self._released:
             return loss
         # Collect and check every gradient first: bad input must not leave a half-done step.
-        work = [(group, self._params_with_grad(group)) for group in self.param_groups]
-        self._before_step(work)
+        work = [(group, *self._params_with_grad(group)) for group in self.param_groups]
+        self._before_step([(group, params) for group, params, _ in work])
         try:
-            for group, params in work:
+            for group, params, grads in work:
                 if params:
-                    self._step_params(group, params)
+                    self._step_params(group, params, grads)
         finally:
             self._after_step()
         return loss
@@ -179,11 +191,17 @@ class BaseOptimizer(torch.optim.Optimizer):
     def _after_step(self) -> None:
         """Hook run after every ``step()``, also when it raised (drop per-step caches)."""
 
-    def _params_with_grad(self, group: dict[str, Any]) -> list[Tensor]:
-        params = [p for p in group["params"] if p.grad is not None]
-        for p in params:
-            _check_grad(p)
-        return params
+    def _params_with_grad(self, group: dict[str, Any]) -> tuple[list[Tensor], list[Tensor]]:
+        """The params that have a gradient, and those gradients (``p.grad`` is read once: it is
+        not a cheap attribute)."""
+        params, grads = [], []
+        for p in group["params"]:
+            g = p.grad
+            if g is not None:
+                _check_grad(g)
+                params.append(p)
+                grads.append(g)
+        return params, grads
 
     def _compute_dtype(self, group: dict[str, Any], p: Tensor) -> torch.dtype:
         if p.dtype in LOW_PRECISION and group.get("fp32_state"):
@@ -216,27 +234,41 @@ class BaseOptimizer(torch.optim.Optimizer):
     # Optimizers whose math must see one tensor at a time, in parameter order (random draws).
     per_tensor = False
 
-    def _step_params(self, group: dict[str, Any], params: list[Tensor]) -> None:
+    def _plan(self, group: dict[str, Any], params: list[Tensor]) -> list[tuple[list[int], list[dict], torch.dtype]]:
+        """Buckets of ``params`` updated together: same device, dtype, compute dtype, Kahan and
+        step count. Cached while the same params get gradients: all members of a bucket then
+        step together, so the buckets stay valid (a per-parameter step drops the cache)."""
+        per_tensor = group.get("foreach") is False or self.per_tensor
+        key = (tuple(map(id, params)), per_tensor, group.get("fp32_state"), group.get("kahan_sum"))
+        cached = self._plans.get(id(group))
+        # reuse unless someone replaced a state dict from outside (opt.state[p] = {...})
+        if cached is not None and cached[0] == key and all(
+            states[0] is self.state.get(params[idx[0]]) for idx, states, _ in cached[1]
+        ):
+            return cached[1]
         states = [self._state_for(group, p) for p in params]
-        if group.get("foreach") is False or self.per_tensor:
-            buckets = [[i] for i in range(len(params))]
+        if per_tensor:
+            indices = [[i] for i in range(len(params))]
         else:
             by_key: dict[tuple, list[int]] = {}
             for i, (p, s) in enumerate(zip(params, states)):
-                key = (p.device, p.dtype, self._compute_dtype(group, p), s["step"], "kahan_comp" in s)
-                by_key.setdefault(key, []).append(i)
-            buckets = list(by_key.values())
+                bucket_key = (p.device, p.dtype, self._compute_dtype(group, p), s["step"], "kahan_comp" in s)
+                by_key.setdefault(bucket_key, []).append(i)
+            indices = list(by_key.values())
+        plan = [(idx, [states[i] for i in idx], self._compute_dtype(group, params[idx[0]])) for idx in indices]
+        self._plans[id(group)] = (key, plan)
+        return plan
+
+    def _step_params(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor]) -> None:
         apply = not self._optimizer_accumulation
-        for idx in buckets:
-            bucket_params = [params[i] for i in idx]
-            bucket_states = [states[i] for i in idx]
-            dtype = self._compute_dtype(group, bucket_params[0])
-            grads = [p.grad.to(dtype) for p in bucket_params]
-            if group.get("maximize"):
-                grads = torch._foreach_neg(grads)
-            for s in bucket_states:
+        maximize = group.get("maximize")
+        for idx, states, dtype in self._plan(group, params):
+            bucket_grads = [grads[i] for i in idx]
+            if maximize:
+                bucket_grads = torch._foreach_neg(bucket_grads)
+            for s in states:
                 s["step"] += 1
-            batch = Batch(bucket_params, grads, bucket_states, bucket_states[0]["step"], dtype)
+            batch = Batch([params[i] for i in idx], bucket_grads, states, states[0]["step"], dtype)
             self._update(group, batch, apply)
 
     def _update(self, group: dict[str, Any], batch: Batch, apply: bool) -> None:
@@ -317,8 +349,9 @@ class BaseOptimizer(torch.optim.Optimizer):
         """Update one parameter from its gradient (used by gradient release)."""
         if p.grad is None:
             return
-        _check_grad(p)
-        self._step_params(self._group_for(p), [p])
+        _check_grad(p.grad)
+        self._plans.clear()  # this param's step count now differs from its bucket's
+        self._step_params(self._group_for(p), [p], [p.grad])
 
     def _release_blocker(self) -> str | None:
         """Why this optimizer cannot run under gradient release (None: it can)."""
@@ -336,6 +369,7 @@ class BaseOptimizer(torch.optim.Optimizer):
         saved_state = state_dict["state"]
         super().load_state_dict(state_dict)
         self._group_index = None
+        self._plans.clear()  # new group and state dicts
         params = [p for group in self.param_groups for p in group["params"]]
         saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
         for p, saved_id in zip(params, saved_ids):
@@ -348,10 +382,8 @@ class BaseOptimizer(torch.optim.Optimizer):
                     state[key] = value.to(device=p.device, copy=True)
 
 
-def _check_grad(p: Tensor) -> None:
-    if p.grad.is_sparse:
+def _check_grad(grad: Tensor) -> None:
+    # torch's grad setter enforces the param's shape and dtype (so no complex grads on the real
+    # params add_param_group admits); sparse gradients are the one layout it lets through.
+    if grad.is_sparse:
         raise ValueError("grad: sparse gradients are not supported; use dense gradients")
-    if p.grad.is_complex():
-        raise TypeError(f"grad: complex gradients are not supported (got {p.grad.dtype})")
-    if p.grad.shape != p.shape:
-        raise ValueError(f"grad: shape {tuple(p.grad.shape)} does not match the param shape {tuple(p.shape)}")
