@@ -9,6 +9,13 @@ __version__ = "0.1.0"
 
 # Public API re-exports (optimizers, strategies) go below this line as they land.
 
+# Lightning strategies "onebit_adam", "zero_one_adam", "onebit_lamb": registered in lightning.pytorch
+# and pytorch_lightning as soon as those are imported (before or after this package), without
+# importing them here. The classes: lightning_optim.lightning.OnebitAdamStrategy, ...
+from lightning_optim.lightning.registry import install as _install_strategies
+
+_install_strategies()
+
 from lightning_optim.onebit import OnebitAdam, OnebitLamb, ZeroOneAdam
 from lightning_optim.optim import (
     SGD,

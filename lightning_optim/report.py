@@ -59,6 +59,14 @@ def format_table(summary: dict[str, Any]) -> str:
         ("train tokens/s", f"{summary['train_tokens_per_sec']:,.0f}"),
         ("wall time", f"{summary['wall_time_s']:.1f} s"),
     ]
+    comm = summary.get("comm")
+    if comm and comm.get("bytes_sent"):
+        rows.append((
+            "bytes sent per rank",
+            f"{comm['bytes_sent'] / 1e6:,.1f} MB vs {comm['fp32_bytes'] / 1e6:,.1f} MB for fp32 DDP "
+            f"({comm['compression_ratio']:.1f}x less; {comm['steps_without_ddp_allreduce']} of {comm['steps']} "
+            "steps without DDP's allreduce)",
+        ))
     width = max(len(label) for label, _ in rows)
     lines = ["lightning-optim run summary"] + [f"  {label:<{width}}  {value}" for label, value in rows]
     return "\n".join(lines)

@@ -1,11 +1,14 @@
 """The main job: train the byte-level GPT with any optimizer/strategy/precision config.
 
-    python -m lightning_optim.train                                   # defaults (about a minute on CPU)
-    python -m lightning_optim.train optimizer=sgd model=small trainer.max_steps=200
+    python -m lightning_optim.train                                   # defaults: 2 processes, 1-bit Adam
+    python -m lightning_optim.train strategy=auto trainer.devices=1   # one process, plain optimizer
+    python -m lightning_optim.train optimizer=sgd strategy=ddp model=small trainer.max_steps=200
     python -m lightning_optim.train -m optimizer.lr=1e-3,3e-3 trainer=smoke   # a sweep
 
 Outputs go to Hydra's run directory (``outputs/<date>/<time>``): metrics.csv, loss.png,
-summary.json, train.log and the resolved config under .hydra/.
+summary.json, train.log and the resolved config under .hydra/. With several processes (the
+default strategy, onebit_adam, runs trainer.devices=2) Lightning re-runs this command for the
+other ranks in the same run directory; only rank 0 writes the outputs.
 """
 
 from __future__ import annotations
@@ -112,6 +115,9 @@ def run(config: DictConfig, output_dir: Path) -> dict[str, Any]:
         "world_size": trainer.world_size,
         "config": cfg,
     }
+    comm_summary = getattr(trainer.strategy, "comm_summary", None)  # the 1-bit strategies' byte totals
+    if callable(comm_summary):
+        summary["comm"] = comm_summary()
     if trainer.is_global_zero:
         trainer.logger.save()
         plot_losses(Path(trainer.logger.log_dir) / "metrics.csv", output_dir / "loss.png")

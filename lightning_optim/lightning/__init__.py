@@ -1,0 +1,36 @@
+"""Lightning adapters for the 1-bit optimizers (no math here; see ``lightning_optim.onebit``).
+
+* :class:`OnebitAdamStrategy`, :class:`ZeroOneAdamStrategy`, :class:`OnebitLambStrategy`
+  (``strategies.py``), registered as ``"onebit_adam"``, ``"zero_one_adam"``, ``"onebit_lamb"``
+  in ``lightning.pytorch`` and ``pytorch_lightning`` by ``import lightning_optim``
+  (``registry.py``); the ``pytorch_lightning`` classes live in ``pl_strategies.py``.
+* :class:`CommTelemetry` (``callbacks.py``): ``comm/*`` metrics per step.
+* :func:`to_onebit` (``convert.py``): the optimizer conversion the strategies use.
+
+Importing this package does not import Lightning; the names above load it on first access.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__all__ = ["OnebitAdamStrategy", "ZeroOneAdamStrategy", "OnebitLambStrategy", "CommTelemetry", "to_onebit"]
+
+_WHERE = {
+    "OnebitAdamStrategy": "strategies",
+    "ZeroOneAdamStrategy": "strategies",
+    "OnebitLambStrategy": "strategies",
+    "CommTelemetry": "callbacks",
+    "to_onebit": "convert",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _WHERE:
+        return getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + __all__)

@@ -1,0 +1,50 @@
+"""The 1-bit strategies for the standalone ``pytorch_lightning`` package.
+
+Same behaviour and arguments as :mod:`lightning_optim.lightning.strategies`; the classes derive
+from ``pytorch_lightning``'s ``DDPStrategy``/``Callback`` so a ``pytorch_lightning.Trainer``
+accepts them. ``import lightning_optim`` registers them in ``pytorch_lightning``'s registry.
+"""
+
+from __future__ import annotations
+
+from pytorch_lightning import Callback
+from pytorch_lightning.strategies import DDPStrategy
+
+from lightning_optim.lightning import registry as _registry
+from lightning_optim.lightning._base import (
+    _CommTelemetryMixin,
+    _OnebitAdamMixin,
+    _OnebitLambMixin,
+    _ZeroOneAdamMixin,
+)
+
+__all__ = ["OnebitAdamStrategy", "ZeroOneAdamStrategy", "OnebitLambStrategy", "CommTelemetry", "STRATEGIES"]
+
+
+class CommTelemetry(_CommTelemetryMixin, Callback):
+    __doc__ = _CommTelemetryMixin.__doc__
+
+
+class OnebitAdamStrategy(_OnebitAdamMixin, DDPStrategy):
+    __doc__ = _OnebitAdamMixin.__doc__
+    telemetry_callback_class = CommTelemetry
+
+
+class ZeroOneAdamStrategy(_ZeroOneAdamMixin, DDPStrategy):
+    __doc__ = _ZeroOneAdamMixin.__doc__
+    telemetry_callback_class = CommTelemetry
+
+
+class OnebitLambStrategy(_OnebitLambMixin, DDPStrategy):
+    __doc__ = _OnebitLambMixin.__doc__
+    telemetry_callback_class = CommTelemetry
+
+
+STRATEGIES = {
+    "onebit_adam": OnebitAdamStrategy,
+    "zero_one_adam": ZeroOneAdamStrategy,
+    "onebit_lamb": OnebitLambStrategy,
+}
+
+# Importing this module imported pytorch_lightning: make sure the names are registered there.
+_registry.register("pytorch_lightning")

@@ -1,0 +1,67 @@
+"""Lightning strategies for the 1-bit optimizers (``lightning.pytorch``).
+
+    import lightning_optim                      # registers the names below
+    trainer = Trainer(accelerator="cpu", devices=2, strategy="onebit_adam")
+    trainer = Trainer(devices=2, strategy=OnebitAdamStrategy(freeze_step=1000, timeout=120))
+
+=================  ========================  =================================================
+name               class                     converts (``configure_optimizers`` returns ...)
+=================  ========================  =================================================
+``onebit_adam``    ``OnebitAdamStrategy``    torch/lightning_optim Adam, AdamW (-> OnebitAdam)
+``zero_one_adam``  ``ZeroOneAdamStrategy``   the same (-> ZeroOneAdam)
+``onebit_lamb``    ``OnebitLambStrategy``    lightning_optim Lamb, FusedLamb (-> OnebitLamb)
+=================  ========================  =================================================
+
+Each is Lightning's ``DDPStrategy`` (gloo on CPU, NCCL on GPU, chosen by the accelerator) whose
+gradient allreduce is switched off exactly in the steps where the 1-bit optimizer communicates
+by itself. The optimizer returned by ``configure_optimizers`` is replaced by its 1-bit variant
+with the same param groups and hyper-parameters (``lightning_optim.lightning.convert``); a 1-bit
+optimizer is used as is. The 1-bit arguments are strategy arguments (``None``: the optimizer's
+default); ``timeout`` (seconds, default 300) bounds every collective, so a dead or hung rank
+stops the others with an error instead of a hang; ``telemetry`` adds :class:`CommTelemetry`.
+Other keyword arguments go to ``DDPStrategy`` (``find_unused_parameters``, ``static_graph``,
+``start_method``...), except the comm-hook ones, which the strategy owns.
+
+Checkpoints: rank 0 writes the checkpoint; every other rank writes its own 1-bit state (error
+buffers; between ZeroOneAdam synchronisations also its optimizer state and params) to
+``<checkpoint>.rank<r>.pt`` and reads it back on resume, so training continues bitwise. On
+another world size the error buffers restart at zero with one warning. See docs/lightning.md.
+"""
+
+from __future__ import annotations
+
+from lightning.pytorch.strategies import DDPStrategy
+
+from lightning_optim.lightning import registry as _registry
+from lightning_optim.lightning._base import _OnebitAdamMixin, _OnebitLambMixin, _ZeroOneAdamMixin
+from lightning_optim.lightning.callbacks import CommTelemetry
+
+__all__ = ["OnebitAdamStrategy", "ZeroOneAdamStrategy", "OnebitLambStrategy", "STRATEGIES"]
+
+
+class OnebitAdamStrategy(_OnebitAdamMixin, DDPStrategy):
+    __doc__ = _OnebitAdamMixin.__doc__
+
+    telemetry_callback_class = CommTelemetry
+
+
+class ZeroOneAdamStrategy(_ZeroOneAdamMixin, DDPStrategy):
+    __doc__ = _ZeroOneAdamMixin.__doc__
+
+    telemetry_callback_class = CommTelemetry
+
+
+class OnebitLambStrategy(_OnebitLambMixin, DDPStrategy):
+    __doc__ = _OnebitLambMixin.__doc__
+
+    telemetry_callback_class = CommTelemetry
+
+
+STRATEGIES = {
+    "onebit_adam": OnebitAdamStrategy,
+    "zero_one_adam": ZeroOneAdamStrategy,
+    "onebit_lamb": OnebitLambStrategy,
+}
+
+# Importing this module imported lightning.pytorch: make sure the names are registered there.
+_registry.register("lightning.pytorch")

@@ -1,0 +1,64 @@
+"""The main job's default is 1-bit Adam on 2 CPU processes (Hydra + Lightning's launcher)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import hydra
+import pytest
+
+from lightning_optim.lightning import OnebitAdamStrategy, OnebitLambStrategy, ZeroOneAdamStrategy
+from lightning_optim.model import ByteGPT, param_groups
+from lightning_optim.onebit import OnebitAdam
+from lightning_optim.train import lightning_arg
+
+
+def test_default_is_onebit_adam_on_two_processes(compose_train):
+    cfg = compose_train()
+    assert cfg.trainer.devices == 2
+    strategy = lightning_arg(dict(cfg.strategy))
+    assert type(strategy) is OnebitAdamStrategy
+    assert 0 < strategy._knobs["freeze_step"] <= cfg.trainer.max_steps // 2  # compression reached by default
+    assert compose_train("strategy=auto").trainer.devices == 1
+    assert compose_train("trainer.devices=4").trainer.devices == 4
+
+
+def test_overrides_of_the_onebit_knobs(compose_train):
+    strategy = lightning_arg(dict(compose_train("strategy.freeze_step=50").strategy))
+    assert strategy._knobs == {"freeze_step": 50}
+    cfg = compose_train("optimizer=onebit_adam", "optimizer.freeze_step=50")  # already 1-bit: used as is
+    optimizer = hydra.utils.instantiate(cfg.optimizer)(param_groups(ByteGPT(max_seq_len=8, n_layer=1, d_model=16)))
+    assert type(optimizer) is OnebitAdam and optimizer.freeze_step == 50
+    zero_one = lightning_arg(dict(compose_train("strategy=zero_one_adam", "strategy.local_step_clipper=8").strategy))
+    assert type(zero_one) is ZeroOneAdamStrategy and zero_one._knobs["local_step_clipper"] == 8
+    lamb = compose_train("strategy=onebit_lamb", "optimizer=fused_lamb")
+    assert type(lightning_arg(dict(lamb.strategy))) is OnebitLambStrategy and lamb.trainer.devices == 2
+
+
+def test_cli_default_runs_two_processes_and_rank_0_writes(tmp_path: Path):
+    run_dir = tmp_path / "run"
+    command = [sys.executable, "-m", "lightning_optim.train", "trainer=smoke", "trainer.max_steps=8",
+               "trainer.val_check_interval=8", "strategy.freeze_step=4", "data.max_bytes=100000",
+               "model.n_layer=1", "model.d_model=64", f"hydra.run.dir={run_dir}"]
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["steps"] == 8
+    assert summary["final_val_loss"] < summary["initial_val_loss"]
+    comm = summary["comm"]
+    assert comm["optimizer"] == "OnebitAdam" and comm["steps"] == 8 and comm["steps_without_ddp_allreduce"] == 4
+    assert comm["compression_ratio"] > 1.8  # half the steps at ~32x less than fp32
+    assert "bytes sent per rank" in result.stdout  # the printed table
+    with open(run_dir / "metrics.csv", newline="") as handle:
+        rows = [r for r in csv.DictReader(handle) if r.get("comm/bytes_sent")]
+    assert len(rows) == 8
+    # rank 1 ran in the same directory (its own log) and wrote none of the outputs
+    assert (run_dir / "train_ddp_process_1.log").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+    assert len(list(tmp_path.rglob("summary.json"))) == 1 and len(list(tmp_path.rglob(".hydra"))) == 1
