@@ -4,11 +4,12 @@
 set -euo pipefail
 
 # One run: another optimizer and learning rate, a shorter schedule, this README as the corpus.
-python -m lightning_optim.train optimizer=sgd optimizer.lr=0.1 trainer.max_steps=40 \
+# SGD has no 1-bit strategy, so this run is one plain process (strategy=auto, one device).
+python -m lightning_optim.train optimizer=sgd optimizer.lr=0.1 strategy=auto trainer.devices=1 trainer.max_steps=40 \
     trainer.val_check_interval=20 data.path="$(dirname "$0")/../README.md" data.seq_len=64
 
-# A sweep (-m): 2 optimizers x 2 learning rates, short runs, one directory per job.
-python -m lightning_optim.train -m optimizer=adamw,adam optimizer.lr=1e-3,3e-3 \
+# A sweep (-m): 2 optimizers x 2 learning rates, short single-process runs, one directory per job.
+python -m lightning_optim.train -m optimizer=adamw,adam optimizer.lr=1e-3,3e-3 strategy=auto trainer.devices=1 \
     trainer.max_steps=30 trainer.val_check_interval=15 trainer.enable_progress_bar=false
 
 # Final validation loss of each job of the latest sweep.
