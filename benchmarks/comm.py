@@ -17,6 +17,7 @@ own namespaces, and deletes the namespaces on exit (also on Ctrl-C / SIGTERM).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -208,10 +209,21 @@ def _run(cmd: list[str]) -> None:
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 
-def run_netns(args) -> None:
+class NetnsUnavailable(RuntimeError):
+    """The namespaces could not be made here (not root, no iproute2, or not permitted)."""
+
+
+@contextlib.contextmanager
+def netns_pair(rate: str = "1gbit", addrs=NETNS_ADDRS):
+    """Two network namespaces joined by a veth pair, each end shaped to ``rate`` with tc tbf.
+
+    Yields ``(prefixes, envs)``: per rank, the command prefix (``ip netns exec <ns>``) and the
+    environment (``GLOO_SOCKET_IFNAME``); rank r listens on ``addrs[r]``. Raises
+    ``NetnsUnavailable`` before yielding where that is not possible. The namespaces (and the veth
+    pair with them) are deleted on exit, also on SIGINT/SIGTERM. Used by onebit_step.py too.
+    """
     if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"):
-        print("--netns needs root and iproute2 (ip, tc): skipped")
-        return
+        raise NetnsUnavailable("needs root and iproute2 (ip, tc)")
     tag = f"lo{os.getpid() % 100000}"
     spaces = (f"{tag}a", f"{tag}b")
     veths = (f"{tag}va", f"{tag}vb")
@@ -227,25 +239,30 @@ def run_netns(args) -> None:
                 _run(["ip", "netns", "add", ns])
             _run(["ip", "link", "add", veths[0], "netns", spaces[0], "type", "veth",
                   "peer", "name", veths[1], "netns", spaces[1]])
-            for ns, dev, addr in zip(spaces, veths, NETNS_ADDRS):
+            for ns, dev, addr in zip(spaces, veths, addrs):
                 _run(["ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", dev])
                 _run(["ip", "-n", ns, "link", "set", dev, "up"])
                 _run(["ip", "-n", ns, "link", "set", "lo", "up"])
                 _run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
-                      "rate", args.rate, "burst", "512kb", "latency", "50ms"])
+                      "rate", rate, "burst", "512kb", "latency", "50ms"])
         except (subprocess.CalledProcessError, OSError) as exc:
             detail = exc.stderr.decode().strip() if getattr(exc, "stderr", None) else str(exc)
-            print(f"--netns not permitted here ({detail}): skipped")
-            return
-        pack = pack_unpack_throughput(args.numel, args.threads)
-        prefixes = [("ip", "netns", "exec", ns) for ns in spaces]
-        envs = [{"GLOO_SOCKET_IFNAME": dev} for dev in veths]
-        res = _launch(args, NETNS_ADDRS[0], 29517, prefixes, envs)
-        report(args, res, f"2 network namespaces, veth shaped to {args.rate} (tc tbf)", pack)
+            raise NetnsUnavailable(f"not permitted here ({detail})") from None
+        yield [("ip", "netns", "exec", ns) for ns in spaces], [{"GLOO_SOCKET_IFNAME": dev} for dev in veths]
     finally:
         cleanup()
         for s, h in old.items():
             signal.signal(s, h)
+
+
+def run_netns(args) -> None:
+    try:
+        with netns_pair(args.rate) as (prefixes, envs):
+            pack = pack_unpack_throughput(args.numel, args.threads)
+            res = _launch(args, NETNS_ADDRS[0], 29517, prefixes, envs)
+            report(args, res, f"2 network namespaces, veth shaped to {args.rate} (tc tbf)", pack)
+    except NetnsUnavailable as exc:
+        print(f"--netns {exc}: skipped")
 
 
 def main(argv=None) -> None:

@@ -62,11 +62,15 @@ def _timeout(value: Any, owner: str) -> timedelta:
     return timedelta(seconds=seconds)
 
 
-def _drop_error_buffers(states: list[dict[str, Any]]) -> None:
+def _drop_error_buffers(states: list[dict[str, Any]]) -> bool:
+    """Remove the error buffers from the optimizer states; whether there were any."""
+    dropped = False
     for i, state in enumerate(states):
         onebit = state.get("onebit")
         if isinstance(onebit, dict):
+            dropped = dropped or onebit.get("worker_error") is not None
             states[i] = {**state, "onebit": {**onebit, "worker_error": None, "server_error": None}}
+    return dropped
 
 
 def _is_comm_failure(exc: BaseException | None) -> bool:
@@ -276,8 +280,8 @@ class _OnebitStrategyMixin:
             return checkpoint
         name, world, rank = type(self).__name__, self.world_size, self.global_rank
         if meta["world_size"] != world:
-            _drop_error_buffers(states)
-            if rank == 0:
+            dropped = _drop_error_buffers(states)
+            if rank == 0 and (dropped or meta.get("per_rank_params")):
                 extra = (" It was saved between two ZeroOneAdam synchronisations: every rank continues from rank 0's "
                          "params and momentum." if meta.get("per_rank_params") else "")
                 warnings.warn(
