@@ -188,3 +188,15 @@ def test_strategy_timeout_and_ddp_arguments_reach_ddp():
     assert strategy._ddp_kwargs == {"find_unused_parameters": True}
     assert OnebitAdamStrategy()._knobs == {}  # None: the optimizer's own defaults
     assert math.isclose(OnebitAdamStrategy().timeout_s, 300.0)
+
+
+def test_fp16_loss_scaling_is_refused():
+    from types import SimpleNamespace
+
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    strategy = OnebitAdamStrategy(freeze_step=5)
+    strategy.precision_plugin = MixedPrecision("16-mixed", device="cpu", scaler=torch.amp.GradScaler("cpu"))
+    trainer = SimpleNamespace(state=SimpleNamespace(fn="fit"), callbacks=[])
+    with pytest.raises(ValueError, match="16-mixed.*bf16-mixed"):
+        strategy.setup(trainer)

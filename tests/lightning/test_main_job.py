@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 import hydra
-import pytest
 
 from lightning_optim.lightning import OnebitAdamStrategy, OnebitLambStrategy, ZeroOneAdamStrategy
 from lightning_optim.model import ByteGPT, param_groups
