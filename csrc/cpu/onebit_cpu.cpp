@@ -2,6 +2,7 @@
 // include/onebit_math.h; here it runs over 32K-element chunks (whole bytes) on OpenMP threads,
 // 16 (AVX-512) or 8 (AVX2) elements per step, the tail with the portable byte function.
 #include <cmath>
+#include <utility>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -196,6 +197,136 @@ struct RoofOp {
 void roof(const Exec& ex, float* a, float* b, float* c, const float* d, int64_t n) {
   void* ptrs[4] = {a, b, c, const_cast<float*>(d)};
   cpu_foreach(ex, flat(&n, ptrs, 4), RoofOp{});
+}
+
+}  // namespace cpu
+}  // namespace lo
+
+// ------------------------------------------------------------------ pieces (per-tensor scales)
+namespace lo {
+namespace cpu {
+namespace {
+
+// Runs fn(item, piece, begin, end) over 32K-element items of the pos space; begin/end are relative to
+// the piece and begin is a multiple of 8 (items start at multiples of kChunk, pieces at multiples of 8).
+template <class Fn>
+void for_each_piece(const Exec& ex, const Pieces& pc, Fn fn) {
+  const int64_t chunk = cpu_detail::kChunk;
+  const int64_t items = (pc.total + chunk - 1) / chunk;
+  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(ex.threads, items)));
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1)
+  for (int64_t k = 0; k < items; ++k) {
+    const int64_t lo = k * chunk, hi = std::min(lo + chunk, pc.total);
+    int64_t p = std::upper_bound(pc.pos, pc.pos + pc.n, lo) - pc.pos - 1;
+    for (p = std::max<int64_t>(p, 0); p < pc.n && pc.pos[p] < hi; ++p) {
+      const int64_t b = std::max(lo, pc.pos[p]), e = std::min(hi, pc.pos[p] + pc.len[p]);
+      if (b < e) fn(k, p, b - pc.pos[p], e - pc.pos[p]);
+    }
+  }
+}
+
+// Per-piece sums: each (item, piece) part sums in fp32 lanes, parts are added in double in item
+// order, so the result does not depend on the thread count.
+template <class PartFn>
+void piece_sums(const Exec& ex, const Pieces& pc, double* out, PartFn part) {
+  const int64_t items = (pc.total + cpu_detail::kChunk - 1) / cpu_detail::kChunk;
+  std::vector<std::vector<std::pair<int64_t, double>>> parts(items);
+  for_each_piece(ex, pc, [&](int64_t k, int64_t p, int64_t b, int64_t e) { parts[k].emplace_back(p, part(p, b, e)); });
+  for (const auto& item : parts)
+    for (const auto& pr : item) out[pr.first] += pr.second;
+}
+
+bool aligned64(const void* p) { return reinterpret_cast<uintptr_t>(p) % 64 == 0; }
+
+}  // namespace
+
+void onebit_seg_sumsq(const Exec& ex, const float* x, const float* err, const Pieces& pc, double* out) {
+  piece_sums(ex, pc, out, [&](int64_t p, int64_t b, int64_t e) {
+    const float* xs = x + pc.off[p];
+    const float* es = err ? err + pc.pos[p] : nullptr;
+    float acc = 0.0f;
+    if (es) {
+#pragma omp simd reduction(+ : acc)
+      for (int64_t j = b; j < e; ++j) {
+        const float z = ef_input(xs[j], es[j]);
+        acc += z * z;
+      }
+    } else {
+#pragma omp simd reduction(+ : acc)
+      for (int64_t j = b; j < e; ++j) acc += xs[j] * xs[j];
+    }
+    return static_cast<double>(acc);
+  });
+}
+
+void onebit_seg_compress(const Exec& ex, const float* x, float* err, uint8_t* packed, const Pieces& pc,
+                         const float* scales, Ef mode) {
+  for_each_piece(ex, pc, [&](int64_t, int64_t p, int64_t b, int64_t e) {
+    const float* xs = x + pc.off[p];
+    float* es = err ? err + pc.pos[p] : nullptr;
+    uint8_t* ps = packed + pc.pos[p] / 8;
+    switch (mode) {
+      case Ef::None: compress_range<Ef::None>(xs, nullptr, ps, b, e, scales[p]); break;
+      case Ef::Residual: compress_range<Ef::Residual>(xs, es, ps, b, e, scales[p]); break;
+      case Ef::Feedback: compress_range<Ef::Feedback>(xs, es, ps, b, e, scales[p]); break;
+    }
+  });
+}
+
+void onebit_seg_unpack(const Exec& ex, const uint8_t* packed, const Pieces& pc, const float* scales, DType out_type,
+                       void* out) {
+  bool streamed = false;
+  for_each_piece(ex, pc, [&](int64_t, int64_t p, int64_t b, int64_t e) {
+    const uint8_t* ps = packed + pc.pos[p] / 8;
+    switch (out_type) {
+      case DType::F32: {
+        float* os = static_cast<float*>(out) + pc.off[p];
+        const bool stream = e - b == cpu_detail::kChunk && aligned64(os + b);  // whole aligned items only
+        if (stream) streamed = true;
+        unpack_f32(ps, os, b, e, scales[p], stream);
+        break;
+      }
+      case DType::BF16: unpack_typed(ps, static_cast<bf16_t*>(out) + pc.off[p], b, e, scales[p]); break;
+      case DType::F16: unpack_typed(ps, static_cast<f16_t*>(out) + pc.off[p], b, e, scales[p]); break;
+    }
+  });
+#if defined(__AVX512F__)
+  if (streamed) _mm_sfence();
+#endif
+}
+
+void onebit_server_mean(const Exec& ex, const uint8_t* rows, int64_t row_stride, int world, const float* scales,
+                        float* err, const Pieces& pc, double* out) {
+  piece_sums(ex, pc, out, [&](int64_t p, int64_t b, int64_t e) {
+    const int64_t base = pc.pos[p];
+    float* es = err + base;
+    float acc = 0.0f;
+    int64_t j = b;
+#if defined(__AVX512F__)
+    const __m512 divisor = _mm512_set1_ps(static_cast<float>(world));
+    __m512 vacc = _mm512_setzero_ps();
+    for (; j + 16 <= e; j += 16) {
+      __m512 sum = _mm512_setzero_ps();
+      for (int w = 0; w < world; ++w) {
+        uint16_t bits;
+        std::memcpy(&bits, rows + w * row_stride + (base + j) / 8, 2);
+        const float s = scales[w * pc.n + p];
+        const __m512 v = _mm512_mask_blend_ps(static_cast<__mmask16>(bits), _mm512_set1_ps(-s), _mm512_set1_ps(s));
+        sum = w == 0 ? v : _mm512_add_ps(sum, v);
+      }
+      const __m512 z = _mm512_add_ps(_mm512_div_ps(sum, divisor), _mm512_loadu_ps(es + j));
+      _mm512_storeu_ps(es + j, z);
+      vacc = _mm512_add_ps(vacc, _mm512_mul_ps(z, z));
+    }
+    acc = _mm512_reduce_add_ps(vacc);
+#endif
+    for (; j < e; ++j) {
+      const float z = server_value(rows, row_stride, world, scales + p, pc.n, base + j, es[j]);
+      es[j] = z;
+      acc += z * z;
+    }
+    return static_cast<double>(acc);
+  });
 }
 
 }  // namespace cpu

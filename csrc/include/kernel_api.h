@@ -39,6 +39,17 @@ struct Exec {
   void* stream = nullptr;
 };
 
+// Pieces of flat 1-bit buffers (lightning_optim/comm/plan.py). Piece p covers elements
+// [pos[p], pos[p] + len[p]) of the packed-sign / error index space, whose bits start at byte pos[p] / 8
+// (pos[p] % 8 == 0; pieces sorted by pos, never overlapping; `total` bounds the space), and elements
+// [off[p], off[p] + len[p]) of the unpacked values. Host arrays for the CPU, device arrays for CUDA.
+struct Pieces {
+  int64_t n = 0, total = 0;
+  const int64_t* pos = nullptr;
+  const int64_t* off = nullptr;
+  const int64_t* len = nullptr;
+};
+
 // `out` of a reduction: n * 2 doubles (per tensor: two sums), zeroed by the caller, in the memory
 // of the device that runs the call.
 #define LO_KERNELS(NS)                                                                                    \
@@ -61,6 +72,18 @@ struct Exec {
   /* table: 256 x 8 values of out_type; byte b decodes to row b */                                         \
   void onebit_unpack_table(const Exec&, const uint8_t* packed, DType out_type, const void* table, void* out, \
                            int64_t n);                                                                     \
+  /* per piece p, with scale[p]: out[p] += sum of (x[off + j] + err[pos + j])^2 (err may be null) */   \
+  void onebit_seg_sumsq(const Exec&, const float* x, const float* err, const Pieces&, double* out);     \
+  /* z = x[off + j] (+ err[pos + j]); bit pos + j <- z >= 0; err[pos + j] <- z - scale[p] sign(z) */    \
+  void onebit_seg_compress(const Exec&, const float* x, float* err, uint8_t* packed, const Pieces&,      \
+                           const float* scales, Ef mode);                                                 \
+  /* out[off + j] <- +-scale[p] by bit pos + j */                                                         \
+  void onebit_seg_unpack(const Exec&, const uint8_t* packed, const Pieces&, const float* scales,          \
+                         DType out_type, void* out);                                                      \
+  /* server: z = (sum_w +-scales[w * n + p] by bit pos + j of row w) / world + err[pos + j]; err <- z;  \
+     out[p] += sum of z^2. Rows start row_stride bytes apart. */                                         \
+  void onebit_server_mean(const Exec&, const uint8_t* rows, int64_t row_stride, int world,               \
+                          const float* scales, float* err, const Pieces&, double* out);                   \
   }
 
 LO_KERNELS(cpu)

@@ -26,6 +26,18 @@ HOST_DEVICE LO_INLINE float unpack_value(uint8_t byte, int j, float scale) {
   return ((byte >> j) & 1u) ? scale : -scale;
 }
 
+// The server's value at bit q of the rows: the mean of the workers' +-scale (summed in worker order,
+// then divided, as the torch path does) plus the server's error.
+HOST_DEVICE LO_INLINE float server_value(const uint8_t* rows, int64_t stride, int world, const float* scales,
+                                         int64_t scale_stride, int64_t q, float err) {
+  float sum = 0.0f;
+  for (int w = 0; w < world; ++w) {
+    const float v = unpack_value(rows[w * stride + q / 8], static_cast<int>(q % 8), scales[w * scale_stride]);
+    sum = w == 0 ? v : sum + v;
+  }
+  return sum / static_cast<float>(world) + err;
+}
+
 // What a compression call does with the error buffer.
 enum class Ef : int {
   None = 0,      // pack the signs of x only

@@ -43,9 +43,10 @@ class _Layout:
                     self.group_of.append(gi)
         self.key = tuple(id(p) for p in self.params)
         self.offsets, offset = [], 0
-        for p in self.params:
+        self.numels = [p.numel() for p in self.params]
+        for numel in self.numels:
             self.offsets.append(offset)
-            offset += p.numel()
+            offset += numel
         self.numel = offset
         devices = {p.device for p in self.params}
         if len(devices) > 1:
@@ -340,21 +341,24 @@ class OnebitOptimizer(BaseOptimizer):
             allreduce_mean(flat, group=self.process_group)
 
     def _compress_(self, flat: Tensor) -> None:
-        """Error-compensated 1-bit mean over ranks, in place (nothing on one rank)."""
+        """Error-compensated 1-bit mean over ranks, in place (nothing on one rank); each param's
+        slice of ``flat`` is compressed with its own scale (as DeepSpeed compresses per param)."""
         world, rank = self._world()
         if world == 1 or not flat.numel():
             return
+        segments = self._layout.numels
         if self._worker_error is not None:
             sizes = (self._worker_error.numel(), self._server_error.numel())
-            if sizes != tuple(error_buffer_sizes(flat.numel(), world)):
+            if sizes != tuple(error_buffer_sizes(flat.numel(), world, segments)):
                 self._warn_errors_reset(f"their sizes {sizes} do not fit {flat.numel()} elements on {world} ranks")
             elif self._worker_error.device != flat.device:
                 self._worker_error = self._worker_error.to(flat.device)
                 self._server_error = self._server_error.to(flat.device)
         if self._worker_error is None:
-            self._worker_error, self._server_error = make_error_buffers(flat, group=self.process_group)
+            self._worker_error, self._server_error = make_error_buffers(flat, self.process_group, segments)
             self._error_origin = (world, rank)
-        compressed_allreduce(flat, self._worker_error, self._server_error, group=self.process_group)
+        compressed_allreduce(flat, self._worker_error, self._server_error, group=self.process_group,
+                             segments=segments)
 
     def _reset_error_buffers(self) -> None:
         if self._worker_error is not None:

@@ -156,4 +156,5 @@ OPTIMIZER_KERNELS: dict[str, Callable[[ModuleType], Any]] = {
 }
 
 # name -> attribute of the extension module (flat-buffer kernels, no Batch)
-RAW_KERNELS = ("onebit_compress", "onebit_pack", "onebit_unpack", "onebit_unpack_table")
+RAW_KERNELS = ("onebit_compress", "onebit_pack", "onebit_unpack", "onebit_unpack_table", "onebit_seg_sumsq",
+               "onebit_seg_compress", "onebit_seg_unpack", "onebit_server_mean")

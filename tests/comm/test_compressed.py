@@ -17,7 +17,7 @@ from lightning_optim.comm import (
     make_error_buffers,
 )
 from lightning_optim.comm.stats import ring_allreduce_bytes
-from tests.comm.workers import CALLS, DTYPES, LENGTHS, make_inputs
+from tests.comm.workers import CALLS, DTYPES, LENGTHS, SEGMENTS, make_inputs, segment_scales
 from tests.reference.onebit_allreduce import RefOnebitAllreduce
 
 @pytest.mark.parametrize("world", [2, 3, 4])
@@ -73,6 +73,49 @@ def test_matches_simulation_on_every_rank(comm_spawn, world):
                                    torch.full((10,), (world - 1) / 2))
 
 
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_per_segment_scales_match_simulation(comm_spawn, world):
+    segments = SEGMENTS[world]
+    numel = sum(segments)
+    inputs = make_inputs(world, numel, torch.float32)
+    ref = RefOnebitAllreduce(numel, world, segments=segments)
+    shared = RefOnebitAllreduce(numel, world)  # one scale for everything
+    got_err, shared_err = torch.zeros(numel), torch.zeros(numel)
+    small = segment_scales(segments) < 0.05
+    for call in range(CALLS):
+        xs = [x * segment_scales(segments) for x in inputs[call]]
+        expected = ref.step(xs)
+        got = comm_spawn[0][world]["segmented"]["outs"][call]
+        for r in range(1, world):
+            assert torch.equal(comm_spawn[r][world]["segmented"]["outs"][call], got), (call, r)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+        truth = torch.stack(xs).mean(0)
+        got_err += (got - truth).abs()
+        shared_err += (shared.step(xs) - truth).abs()
+    for r in range(world):
+        # residuals of values up to ~30: fp32 rounding of the scales shows at ~1e-5 absolute
+        torch.testing.assert_close(comm_spawn[r][world]["segmented"]["worker_error"], ref.worker_error[r],
+                                   rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(comm_spawn[r][world]["segmented"]["server_error"], ref.server_error[r],
+                                   rtol=1e-5, atol=1e-4)
+    # what per-segment scales are for: small-magnitude segments are not drowned by the big ones
+    assert got_err[small].mean() < 0.01 * shared_err[small].mean()
+
+
+def test_segment_validation():
+    x = torch.randn(10)
+    with pytest.raises(ValueError, match="add up to"):
+        error_buffer_sizes(10, 2, [3, 3])
+    with pytest.raises(ValueError, match=r"segments\[1\]"):
+        make_error_buffers(x, None, [12, -2])
+    with pytest.raises(ValueError, match="add up to"):
+        compressed_allreduce(x, *make_error_buffers(x), segments=[9])
+    # zero-length segments carry nothing; each segment starts on a multiple of 8
+    assert error_buffer_sizes(10, 2, [3, 0, 7]) == (16, 8)
+    assert error_buffer_sizes(10, 2, [3, 7]) == error_buffer_sizes(10, 2, [3, 0, 7])
+    assert error_buffer_sizes(17, 2, [9, 8]) == (32, 16)
+
+
 def test_error_feedback_beats_plain_sign_over_many_calls():
     """Simulation-only: without feedback the bias grows ~linearly, with feedback it stays bounded."""
     world, numel, calls = 4, 512, 200
@@ -126,11 +169,15 @@ def test_error_buffer_validation():
 
 def test_byte_counting_rule():
     # n = 1000, W = 2: N = 1008, C = 504 -> 63 packed bytes per chunk
-    # all_gather(scale, numel as fp64) 16 + all_to_all 63 + all_gather(63 signs + 4-byte scale) 67
-    assert compressed_bytes(1000, 2) == 16 + 63 + 67
+    # all_gather(numel, #segments, crc as fp64) 24 + all_gather(scale) 4 + all_to_all 63
+    # + all_gather(63 signs + one 4-byte server scale) 67
+    assert compressed_bytes(1000, 2) == 24 + 4 + 63 + 67
     assert ring_allreduce_bytes(1000, 2) == 4000
     # W = 4, n = 1000: N = 1024, C = 256 -> 32 bytes; each part goes to 3 peers
-    assert compressed_bytes(1000, 4) == 3 * (16 + 32 + 36)
+    assert compressed_bytes(1000, 4) == 3 * (24 + 4 + 32 + 36)
+    # 3 segments (600, 5, 395) on 2 ranks at positions 0, 600, 608: N = 1008, C = 504; chunk 0 is
+    # a piece of segment 0, chunk 1 holds the rest of it and segments 1, 2 -> 3 server-scale slots
+    assert compressed_bytes(1000, 2, [600, 5, 395]) == 24 + 12 + 63 + 63 + 12
     assert ring_allreduce_bytes(1000, 4) == 6000
     n = 25_000_000
     assert ring_allreduce_bytes(n, 2) / compressed_bytes(n, 2) >= 30
@@ -138,6 +185,6 @@ def test_byte_counting_rule():
     s = CommStats()
     s.add_compressed(compressed_bytes(1000, 2), 1000, 2)
     s.add_full_precision(1000, 2, 4)
-    assert (s.bytes_sent, s.fp32_equivalent_bytes) == (146 + 4000, 8000)
-    delta = s - CommStats(bytes_sent=146, fp32_equivalent_bytes=4000, compressed_calls=1)
+    assert (s.bytes_sent, s.fp32_equivalent_bytes) == (158 + 4000, 8000)
+    delta = s - CommStats(bytes_sent=158, fp32_equivalent_bytes=4000, compressed_calls=1)
     assert delta.as_dict()["full_precision_calls"] == 1 and delta.compression_ratio == 1.0

@@ -20,6 +20,13 @@ CALLS = 20
 # lengths: below 8W, multiples of 8W, and remainders that leave whole padded chunks
 LENGTHS = {2: [5, 16, 100, 1000, 4099], 3: [1, 23, 24, 1001], 4: [3, 33, 64, 2050]}
 DTYPES = [torch.float32, torch.bfloat16]
+# per-segment scales: zero-length, tiny and chunk-straddling segments, magnitudes far apart
+SEGMENTS = {2: [5, 0, 100, 3, 1000], 3: [1, 23, 24, 7, 300], 4: [33, 64, 2, 2050]}
+
+
+def segment_scales(segments: list[int]) -> torch.Tensor:
+    """One magnitude per segment (1e-3 .. 10), so that a shared scale would drown the small ones."""
+    return torch.cat([torch.full((n,), 10.0 ** (k % 5 - 3)) for k, n in enumerate(segments)])
 
 
 def make_inputs(world: int, numel: int, dtype: torch.dtype) -> list[list[torch.Tensor]]:
@@ -52,6 +59,17 @@ def _run_world(rank, world, group):
                 "server_error": server_error.clone(),
                 "stats": stats.as_dict(),
             }
+    # one scale per segment
+    segments = SEGMENTS[world]
+    numel = sum(segments)
+    inputs = make_inputs(world, numel, torch.float32)
+    worker_error, server_error = make_error_buffers(inputs[0][rank], group, segments)
+    outs = []
+    for call in range(CALLS):
+        t = inputs[call][rank] * segment_scales(segments)
+        compressed_allreduce(t, worker_error, server_error, group, segments=segments)
+        outs.append(t)
+    results["segmented"] = {"outs": outs, "worker_error": worker_error.clone(), "server_error": server_error.clone()}
     # a 2-D, non-contiguous input goes through the same path as its contiguous copy
     view = (torch.arange(60, dtype=torch.float32).view(6, 10) - 30 + rank).t()
     expect = view.clone()

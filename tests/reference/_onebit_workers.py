@@ -2,7 +2,8 @@
 
 Every reference holds one copy of the params and states per simulated worker (lists indexed
 ``[worker][param]``, fp32), and one :class:`RefOnebitAllreduce` that plays the compressed
-allreduce over the flat concatenation of all params' tensors, in param order.
+allreduce over the flat concatenation of all params' tensors, in param order, one segment (one
+scale) per param.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ class Workers:
 
     def new_allreduce(self) -> None:
         """A fresh compressed allreduce: all error buffers back to zero."""
-        self.allreduce = RefOnebitAllreduce(self.numel, self.world)
+        segments = [torch.Size(s).numel() for s in self.shapes]
+        self.allreduce = RefOnebitAllreduce(self.numel, self.world, segments=segments)
 
     def zeros(self) -> list[list[Tensor]]:
         return [[torch.zeros(s) for s in self.shapes] for _ in range(self.world)]

@@ -3,21 +3,22 @@
 Written plainly from the algorithm (1-bit Adam, Tang et al. 2021; DeepSpeed's compressed_allreduce):
 no packing, no torch.distributed, one list entry per worker. It never imports ``lightning_optim``.
 
-    sim = RefOnebitAllreduce(numel, world_size)
+    sim = RefOnebitAllreduce(numel, world_size, segments=None)
     outs = sim.step([x_0, ..., x_{W-1}])   # one tensor per worker; returns what every worker gets
 
-Per worker ``w`` (error buffer of the padded length ``N = ceil(n / 8W) * 8W``, zeros at start):
-    z_w       = x_w (padded with zeros) + worker_error_w
-    s_w       = ||z_w[:n]|| / sqrt(n)
-    c_w       = s_w * sign(z_w)               (sign(0) = +1; padding positions of c_w are ignored)
-    worker_error_w = z_w - c_w  on [:n], 0 on the padding
+Layout: the tensor is cut into segments (None: one); in the padded space each segment starts on a
+multiple of 8, the rest is padding, and the space is padded to ``N``, a multiple of ``8W``.
+Per worker ``w`` (error buffer of ``N`` elements, zeros at start):
+    z_w       = x_w (placed in the padded space) + worker_error_w
+    s_w,seg   = ||z_w[seg]|| / sqrt(len(seg))   for every segment
+    c_w       = s_w,seg * sign(z_w) on each segment (sign(0) = +1), 0 on the padding
+    worker_error_w = z_w - c_w  on the segments, 0 on the padding
 Per chunk ``r`` of ``C = N / W`` elements (server ``r``, error buffer of C elements):
-    avg       = (sum_w c_w[chunk r]) / W,  with positions >= n set to 0
-    y         = avg + server_error_r
-    t_r       = ||y[real]|| / sqrt(#real)     (0 when the chunk holds no real element)
-    out[chunk r] = t_r * sign(y)
-    server_error_r = y - out[chunk r]  on real positions, 0 on the padding
-Everyone receives ``out[:n]``. ``error_feedback=False`` keeps both error buffers at zero (the
+    y         = (sum_w c_w[chunk r]) / W + server_error_r
+    t_r,piece = ||y[piece]|| / sqrt(len(piece))   for each segment's part (piece) of the chunk
+    out[chunk r] = t_r,piece * sign(y) on each piece, 0 on the padding
+    server_error_r = y - out[chunk r]  on the pieces, 0 on the padding
+Everyone receives ``out`` read back from the segments' places. ``error_feedback=False`` keeps both error buffers at zero (the
 plain "scaled sign" compressor) — the tests use it to show what error feedback buys.
 """
 from __future__ import annotations
@@ -40,33 +41,48 @@ def rms_scale(v: Tensor) -> Tensor:
 
 
 class RefOnebitAllreduce:
-    def __init__(self, numel: int, world_size: int, error_feedback: bool = True):
+    def __init__(self, numel: int, world_size: int, error_feedback: bool = True, segments=None):
         self.n = numel
         self.world = world_size
+        lengths = [numel] if segments is None else [int(v) for v in segments if v]
+        assert sum(lengths) == numel
+        # each segment starts on a multiple of 8 of the padded space; -1 marks padding
+        self.spans = []  # (start in x, start in the padded space, length)
+        start = pos = 0
+        for length in lengths:
+            self.spans.append((start, pos, length))
+            start += length
+            pos += -(-length // 8) * 8
         unit = 8 * world_size
-        self.padded = ((numel + unit - 1) // unit) * unit
+        self.padded = -(-pos // unit) * unit
         self.chunk = self.padded // world_size
+        self.owner = torch.full((self.padded,), -1)
+        for s, (_, pos, length) in enumerate(self.spans):
+            self.owner[pos : pos + length] = s
         self.error_feedback = error_feedback
         self.worker_error = [torch.zeros(self.padded) for _ in range(world_size)]
         self.server_error = [torch.zeros(self.chunk) for _ in range(world_size)]
 
     def step(self, inputs: list[Tensor]) -> Tensor:
-        n, world, chunk = self.n, self.world, self.chunk
+        world, chunk = self.world, self.chunk
         assert len(inputs) == world
         if world == 1:
             return inputs[0].reshape(-1).float().clone()
+        real = self.owner >= 0
 
         compressed = []
         for w in range(world):
+            x = inputs[w].reshape(-1).float()
             z = torch.zeros(self.padded)
-            z[:n] = inputs[w].reshape(-1).float()
+            for start, pos, length in self.spans:
+                z[pos : pos + length] = x[start : start + length]
             z = z + self.worker_error[w]
-            s = rms_scale(z[:n])
-            c = s * sign_pm1(z)
+            c = torch.zeros(self.padded)
+            for s in range(len(self.spans)):
+                where = self.owner == s
+                c[where] = rms_scale(z[where]) * sign_pm1(z[where])
             if self.error_feedback:
-                err = z - c
-                err[n:] = 0
-                self.worker_error[w] = err
+                self.worker_error[w] = torch.where(real, z - c, torch.zeros(()))
             compressed.append(c)
 
         out = torch.zeros(self.padded)
@@ -76,13 +92,16 @@ class RefOnebitAllreduce:
             for w in range(1, world):
                 total = total + compressed[w][lo:hi]
             avg = total / world
-            real = max(0, min(chunk, n - lo))
-            avg[real:] = 0
+            owner = self.owner[lo:hi]
             y = avg + self.server_error[r]
-            t = rms_scale(y[:real])
-            out[lo:hi] = t * sign_pm1(y)
+            res = torch.zeros(chunk)
+            for s in owner[owner >= 0].unique().tolist():  # the piece of segment s in this chunk
+                where = owner == s
+                res[where] = rms_scale(y[where]) * sign_pm1(y[where])
+            out[lo:hi] = res
             if self.error_feedback:
-                err = y - out[lo:hi]
-                err[real:] = 0
-                self.server_error[r] = err
-        return out[:n]
+                self.server_error[r] = torch.where(owner >= 0, y - res, torch.zeros(()))
+        result = torch.zeros(self.n)
+        for start, pos, length in self.spans:
+            result[start : start + length] = out[pos : pos + length]
+        return result
