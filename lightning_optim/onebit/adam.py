@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from lightning_optim.onebit.base import OnebitOptimizer, _Layout, check_step_count
-from lightning_optim.optim.adam import adam_deltas, adam_first_moment_, adam_second_moment_
+from lightning_optim.optim.adam import adam_first_moment_
 from lightning_optim.optim.base import ParamsT
 from lightning_optim.optim.validation import check_flag
 
@@ -137,28 +137,21 @@ class OnebitAdam(OnebitOptimizer):
         warmup = t <= self.freeze_step
         if warmup and self.average_grads:
             self._average_(grad_flat)
-        for gi, group, batch in self._batches(layout, t):
-            beta1, beta2 = group["betas"]
-            adam_first_moment_(batch.state("exp_avg"), batch.grads, beta1)
-            if warmup:
-                adam_second_moment_(batch.state("exp_avg_sq"), batch.grads, beta2)
         if not warmup:
+            for _, group, batch in self._batches(layout, t):
+                adam_first_moment_(batch.state("exp_avg"), batch.grads, group["betas"][0])
             self._compress_(self._flat("exp_avg"))
-            self._mask_(layout, [self.state[p]["exp_avg"] for p in layout.params])
-        variance_steps = min(t, self.freeze_step)
-        for gi, group, batch in self._batches(layout, t):
+            self._mask_(layout, self._flat_views["exp_avg"])
+        # warmup: Adam on the averaged grads; compression: the final m (as "grads", beta1 = 0), v frozen
+        grads = None if warmup else self._flat_views["exp_avg"]
+        for _, group, batch in self._batches(layout, t, grads=grads):
             beta1, beta2 = group["betas"]
             bc1 = bc2 = 1.0
             if group["bias_correction"]:
+                variance_steps = min(t, self.freeze_step)
                 bc1 = 1 - beta1**t
                 bc2 = 1 - beta2**variance_steps if variance_steps else 1.0
-            deltas = adam_deltas(
-                batch.state("exp_avg"),
-                batch.state("exp_avg_sq"),
-                lr=group["lr"],
-                bc1=bc1,
-                bc2=bc2,
-                eps=group["eps"],
-                eps_inside_sqrt=group["eps_inside_sqrt"],
-            )
-            self._apply(batch, deltas, decay=group["lr"] * group["weight_decay"])
+            if warmup:
+                self._adam_step(group, batch, beta1=beta1, beta2=beta2, bc1=bc1, bc2=bc2)
+            else:
+                self._adam_step(group, batch, beta1=0.0, beta2=1.0, bc1=bc1, bc2=bc2)

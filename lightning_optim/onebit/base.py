@@ -21,7 +21,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_optim import ops
 from lightning_optim.comm import allreduce_mean, compressed_allreduce, error_buffer_sizes, make_error_buffers
+from lightning_optim.optim.adam import adam_deltas, adam_first_moment_, adam_second_moment_
 from lightning_optim.optim.base import BaseOptimizer, Batch, ParamsT, _check_grad
 from lightning_optim.optim.validation import check_betas, check_flag, check_non_negative, check_positive
 
@@ -318,6 +320,26 @@ class OnebitOptimizer(BaseOptimizer):
             for p, v, c in zip(batch.params, values, batch.state("kahan_comp")):
                 c.copy_(v - p.float())
         batch._params_compute = None
+
+    def _adam_step(self, group: dict[str, Any], batch: Batch, *, beta1: float, beta2: float, bc1: float,
+                   bc2: float) -> None:
+        """``m <- lerp(m, g, 1 - beta1)``, ``v <- beta2 v + (1 - beta2) g^2`` (g: ``batch.grads``), then
+        Adam's step with decoupled decay ``lr * weight_decay``. ``beta1 = 0`` takes ``g`` as the
+        momentum (e.g. the views of a compressed-averaged ``m``), ``beta2 = 1`` keeps ``v`` frozen.
+        Runs the compiled Adam kernel (one pass) where available."""
+        decay = group["lr"] * group["weight_decay"]
+        kernel = None if group["eps_inside_sqrt"] else ops.kernel("adam", batch)
+        if kernel is not None:
+            kernel(batch, True, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], l2=0.0, bc1=bc1, bc2=bc2,
+                   decay=decay, amsgrad=False)
+            return
+        exp_avg, exp_avg_sq = batch.state("exp_avg"), batch.state("exp_avg_sq")
+        adam_first_moment_(exp_avg, batch.grads, beta1)
+        if beta2 != 1.0:
+            adam_second_moment_(exp_avg_sq, batch.grads, beta2)
+        deltas = adam_deltas(exp_avg, exp_avg_sq, lr=group["lr"], bc1=bc1, bc2=bc2, eps=group["eps"],
+                             eps_inside_sqrt=group["eps_inside_sqrt"])
+        self._apply(batch, deltas, decay=decay)
 
     def _mask_(self, layout: _Layout, views: list[Tensor]) -> None:
         """Multiply by each group's ``exp_avg_mask`` (DeepSpeed: after the compressed allreduce)."""

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lightning_optim.onebit.base import OnebitOptimizer, _Layout, check_step_count
-from lightning_optim.optim.adam import adam_deltas, adam_denominator, adam_first_moment_, adam_second_moment_
+from lightning_optim.optim.adam import adam_denominator, adam_first_moment_
 from lightning_optim.optim.base import ParamsT
 from lightning_optim.optim.validation import check_flag
 
@@ -188,20 +188,8 @@ class ZeroOneAdam(OnebitOptimizer):
             self._mask_(layout, grad_views)
         for gi, group, batch in self._batches(layout, t):
             beta1, beta2 = group["betas"]
-            adam_first_moment_(batch.state("exp_avg"), batch.grads, beta1)
-            if var_step:
-                adam_second_moment_(batch.state("exp_avg_sq"), batch.grads, beta2)
             bc1, bc2 = self._bias_corrections(group, t)
-            deltas = adam_deltas(
-                batch.state("exp_avg"),
-                batch.state("exp_avg_sq"),
-                lr=group["lr"],
-                bc1=bc1,
-                bc2=bc2,
-                eps=group["eps"],
-                eps_inside_sqrt=group["eps_inside_sqrt"],
-            )
-            self._apply(batch, deltas, decay=group["lr"] * group["weight_decay"])
+            self._adam_step(group, batch, beta1=beta1, beta2=beta2 if var_step else 1.0, bc1=bc1, bc2=bc2)
         if var_step:
             s["var_counter"] += 1
             if s["var_counter"] == self.var_update_scaler:
@@ -228,22 +216,14 @@ class ZeroOneAdam(OnebitOptimizer):
             decay = 1 - group["lr"] * group["weight_decay"]
             weight = group["lr"] / bc1
             exp_avg, acc = batch.state("exp_avg"), batch.state("momentum_accumulator")
-            adam_first_moment_(exp_avg, batch.grads, beta1)
-            torch._foreach_mul_(acc, decay)
-            torch._foreach_add_(acc, exp_avg, alpha=weight)
             if first_local:
                 torch._foreach_copy_(batch.state("anchor"), self._param_values(batch))
-            if not sync:
-                deltas = adam_deltas(
-                    exp_avg,
-                    batch.state("exp_avg_sq"),
-                    lr=group["lr"],
-                    bc1=bc1,
-                    bc2=bc2,
-                    eps=group["eps"],
-                    eps_inside_sqrt=group["eps_inside_sqrt"],
-                )
-                self._apply(batch, deltas, decay=group["lr"] * group["weight_decay"])
+            if sync:
+                adam_first_moment_(exp_avg, batch.grads, beta1)
+            else:  # the local Adam step, variance frozen
+                self._adam_step(group, batch, beta1=beta1, beta2=1.0, bc1=bc1, bc2=bc2)
+            torch._foreach_mul_(acc, decay)
+            torch._foreach_add_(acc, exp_avg, alpha=weight)
         for gi, group in enumerate(groups):
             decay = 1 - group["lr"] * group["weight_decay"]
             s["lr_sum"][gi] = s["lr_sum"][gi] * decay + group["lr"] / self._bias_corrections(group, t)[0]
