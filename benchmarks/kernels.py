@@ -129,7 +129,7 @@ def bf16_case(ext, n_tensors, total, repeat):
     row("lightning_optim.Adam, torch backend", base, None, 26 * total, top)
     t = timed(optimizer_step(lambda p: lo.Adam(p, lr=1e-3, fp32_state=True), make(sizes, torch.bfloat16), "cpu"),
               repeat)
-    row("lightning_optim.Adam, cpu kernels (fp32 grads)", t, base, 26 * total, top)
+    row("lightning_optim.Adam, cpu kernels (bf16 grads)", t, base, 26 * total, top)
     row("kernel alone, bf16 grads (ext.adam)", t_kernel, base, 26 * total, top)
     os.environ.pop(ops.ENV_VAR, None)
 

@@ -29,7 +29,8 @@ class OnebitAdam(OnebitOptimizer):
       :math:`m_r \leftarrow \beta_1 m + (1-\beta_1) g_r`, and the ranks agree on
       :math:`m \leftarrow \mathrm{mask}\odot C(m_1..m_W)`, the error-compensated 1-bit average
       (:func:`lightning_optim.comm.compressed_allreduce`) of the whole model's momenta in one
-      flat buffer, with one pair of error buffers per rank.
+      flat buffer and one call, each param's slice with its own scale, with one pair of error
+      buffers per rank.
 
     Both stages then step
     :math:`p \leftarrow p - \eta\,\hat m / (\sqrt{\hat v} + \epsilon) - \eta\lambda p`, with
@@ -56,7 +57,8 @@ class OnebitAdam(OnebitOptimizer):
     buffers); ``bias_correction`` and ``eps_inside_sqrt`` work (DeepSpeed ignores them: no bias
     correction, eps outside); on one rank the momentum is used uncompressed; the error
     buffers can be checkpointed (DeepSpeed drops them on load); momenta are compressed in one
-    flat buffer instead of per param; ``max_grad_norm`` is ignored with a warning (silently in
+    call for the whole model (one scale per param, as DeepSpeed's per-param calls);
+    ``max_grad_norm`` is ignored with a warning (silently in
     DeepSpeed); ``comm_backend_name``/``cuda_aware`` are accepted but communication goes
     through the torch.distributed process group.
 

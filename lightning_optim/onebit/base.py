@@ -6,7 +6,7 @@ every param with ``requires_grad=True`` (in param-group order, fixed until that 
 takes part in every step, and a param without a gradient on this rank counts as a zero
 gradient (as DDP treats unused params). The states that are communicated live in one flat
 fp32 buffer per state name (the per-param state tensors are views into it), so one call
-compresses or averages the whole model.
+compresses (one scale per param) or averages the whole model.
 """
 
 from __future__ import annotations

@@ -31,7 +31,8 @@ class OnebitLamb(OnebitOptimizer):
     momentum with the frozen ratio rescaled by a variance-based factor.
 
     Step :math:`t` (1-based), this rank's gradient :math:`g_r`, :math:`C(\cdot)` the
-    error-compensated 1-bit average over ranks of all momenta in one flat buffer.
+    error-compensated 1-bit average over ranks of all momenta in one flat buffer (one scale
+    per param).
 
     **Warmup**, :math:`t \le` ``freeze_step``: LAMB (``grad_averaging``, decay inside the
     update, trust ratio on every tensor) on the rank-averaged gradient :math:`\bar g`:

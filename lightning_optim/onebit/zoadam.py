@@ -23,8 +23,8 @@ class ZeroOneAdam(OnebitOptimizer):
     in between, then local steps with 1-bit momentum synchronisation on a growing interval.
 
     Step :math:`t` (1-based), this rank's gradient :math:`g_r`, :math:`C(\cdot)` the
-    error-compensated 1-bit average over ranks of the whole model in one flat buffer
-    (:func:`lightning_optim.comm.compressed_allreduce`), ``mask`` each group's ``exp_avg_mask``.
+    error-compensated 1-bit average over ranks of the whole model in one flat buffer, one
+    scale per param (:func:`lightning_optim.comm.compressed_allreduce`), ``mask`` each group's ``exp_avg_mask``.
 
     **Variance stage**, :math:`t \le` ``var_freeze_step``. Step :math:`t` is a *variance step*
     when ``t % var_interval == 0``; ``var_interval`` starts at 1 and doubles after every
