@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from ._common import as_param_list, check_grads, decoupled_decay_factor, resolve_max_lr
+from ._common import as_param_list, check_grads, decay_or_l2, lazy_state, resolve_max_lr, with_grads
 
 
 class RefAdam:
@@ -55,28 +55,21 @@ class RefAdam:
         self.max_lr = resolve_max_lr(lr, decouple_lr, max_lr)
         self.state: dict[int, dict] = {}
 
+    def _new_state(self, p: torch.Tensor) -> dict:
+        st = {"step": 0, "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+        if self.amsgrad:
+            st["max_exp_avg_sq"] = torch.zeros_like(p)
+        return st
+
     @torch.no_grad()
     def step(self, grads) -> None:
         grads = check_grads(self.params, grads)
-        for i, (p, g) in enumerate(zip(self.params, grads)):
-            if g is None:
-                continue
-            st = self.state.get(i)
-            if st is None:
-                st = {"step": 0, "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
-                if self.amsgrad:
-                    st["max_exp_avg_sq"] = torch.zeros_like(p)
-                self.state[i] = st
+        for i, p, g in with_grads(self.params, grads):
+            st = lazy_state(self.state, i, lambda: self._new_state(p))
             st["step"] += 1
             t = st["step"]
-            g = g.clone()
-
-            wd = self.weight_decay
-            if wd != 0:
-                if self.decouple_lr or self.adam_w_mode:
-                    p.mul_(decoupled_decay_factor(self.lr, wd, self.decouple_lr, self.max_lr))
-                else:
-                    g = g + wd * p
+            g = decay_or_l2(p, g.clone(), self.lr, self.weight_decay, decoupled=self.adam_w_mode,
+                            decouple_lr=self.decouple_lr, max_lr=self.max_lr)
 
             m = st["exp_avg"]
             v = st["exp_avg_sq"]

@@ -31,7 +31,14 @@ from __future__ import annotations
 
 import torch
 
-from ._common import as_param_list, check_grads, resolve_max_lr
+from ._common import (
+    as_param_list,
+    check_grads,
+    decay_coefficient,
+    lazy_state,
+    resolve_max_lr,
+    with_grads,
+)
 
 
 class RefAdan:
@@ -64,23 +71,15 @@ class RefAdan:
         t = self.t
         b1, b2, b3 = self.beta1, self.beta2, self.beta3
 
-        if self.decouple_lr:
-            lam = (self.lr / self.max_lr) * self.weight_decay
-        else:
-            lam = self.lr * self.weight_decay
+        lam = decay_coefficient(self.lr, self.weight_decay, self.decouple_lr, self.max_lr)
 
-        for i, (p, g) in enumerate(zip(self.params, grads)):
-            if g is None:
-                continue
-            st = self.state.get(i)
-            if st is None:
-                st = {
-                    "exp_avg": torch.zeros_like(p),
-                    "exp_avg_diff": torch.zeros_like(p),
-                    "exp_avg_sq": torch.zeros_like(p),
-                    "prev_grad": g.clone(),
-                }
-                self.state[i] = st
+        for i, p, g in with_grads(self.params, grads):
+            st = lazy_state(self.state, i, lambda: {
+                "exp_avg": torch.zeros_like(p),
+                "exp_avg_diff": torch.zeros_like(p),
+                "exp_avg_sq": torch.zeros_like(p),
+                "prev_grad": g.clone(),
+            })
             m, n, v = st["exp_avg"], st["exp_avg_diff"], st["exp_avg_sq"]
 
             d = g - st["prev_grad"]

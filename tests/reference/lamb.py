@@ -48,7 +48,7 @@ import math
 
 import torch
 
-from ._common import as_param_list, check_grads
+from ._common import as_param_list, check_grads, lazy_state, with_grads
 
 
 class RefLAMB:
@@ -109,14 +109,10 @@ class RefLAMB:
             if global_norm > self.max_grad_norm:
                 clip_divisor = global_norm / self.max_grad_norm
 
-        for i, (p, g) in enumerate(zip(self.params, grads)):
-            if g is None:
-                continue
+        for i, p, g in with_grads(self.params, grads):
             wd = self.weight_decays[i]
-            st = self.state.get(i)
-            if st is None:
-                st = {"exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
-                self.state[i] = st
+            st = lazy_state(self.state, i,
+                            lambda: {"exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)})
 
             g = g / clip_divisor
             if not self.adam_w_mode and wd != 0:

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from ._common import as_param_list, check_grads
+from ._common import as_param_list, check_grads, torch_momentum, with_grads
 
 
 class RefLARS:
@@ -59,9 +59,7 @@ class RefLARS:
     def step(self, grads) -> None:
         grads = check_grads(self.params, grads)
         wd = self.weight_decay
-        for i, (p, g) in enumerate(zip(self.params, grads)):
-            if g is None:
-                continue
+        for i, p, g in with_grads(self.params, grads):
             w_norm = float(torch.linalg.vector_norm(p))
             g_norm = float(torch.linalg.vector_norm(g))
             if w_norm > 0 and g_norm > 0:
@@ -79,14 +77,7 @@ class RefLARS:
             if self.grad_clip is not None:
                 d = torch.clamp(d, -self.grad_clip, self.grad_clip)
 
-            if self.momentum != 0:
-                st = self.state.get(i)
-                if st is None:
-                    st = {"momentum_buffer": d.clone()}
-                    self.state[i] = st
-                else:
-                    buf = st["momentum_buffer"]
-                    buf.copy_(self.momentum * buf + d)
-                d = st["momentum_buffer"]
+            if self.momentum != 0:  # torch's buffer without dampening: momentum * buf + d
+                d = torch_momentum(self.state, i, d, self.momentum)
 
             p.sub_(scaled_lr * d)

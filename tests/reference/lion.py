@@ -19,7 +19,14 @@ from __future__ import annotations
 
 import torch
 
-from ._common import as_param_list, check_grads, decoupled_decay_factor, resolve_max_lr
+from ._common import (
+    as_param_list,
+    check_grads,
+    decoupled_decay_factor,
+    lazy_state,
+    resolve_max_lr,
+    with_grads,
+)
 
 
 class RefLion:
@@ -43,14 +50,8 @@ class RefLion:
     @torch.no_grad()
     def step(self, grads) -> None:
         grads = check_grads(self.params, grads)
-        for i, (p, g) in enumerate(zip(self.params, grads)):
-            if g is None:
-                continue
-            st = self.state.get(i)
-            if st is None:
-                st = {"exp_avg": torch.zeros_like(p)}
-                self.state[i] = st
-            m = st["exp_avg"]
+        for i, p, g in with_grads(self.params, grads):
+            m = lazy_state(self.state, i, lambda: {"exp_avg": torch.zeros_like(p)})["exp_avg"]
 
             if self.weight_decay != 0:
                 p.mul_(decoupled_decay_factor(self.lr, self.weight_decay, self.decouple_lr, self.max_lr))

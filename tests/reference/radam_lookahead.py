@@ -44,7 +44,7 @@ import math
 
 import torch
 
-from ._common import as_param_list, check_grads, decoupled_decay_factor, resolve_max_lr
+from ._common import as_param_list, check_grads, decay_or_l2, lazy_state, resolve_max_lr, with_grads
 
 
 class RefRAdam:
@@ -86,21 +86,12 @@ class RefRAdam:
         if rho_t > 5:
             rect = math.sqrt((rho_t - 4) * (rho_t - 2) * rho_inf / ((rho_inf - 4) * (rho_inf - 2) * rho_t))
 
-        for i, (p, g) in enumerate(zip(self.params, grads)):
-            if g is None:
-                continue
-            st = self.state.get(i)
-            if st is None:
-                st = {"exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
-                self.state[i] = st
+        for i, p, g in with_grads(self.params, grads):
+            st = lazy_state(self.state, i,
+                            lambda: {"exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)})
             m, v = st["exp_avg"], st["exp_avg_sq"]
-
-            wd = self.weight_decay
-            if wd != 0:
-                if self.decouple_lr or self.decoupled_weight_decay:
-                    p.mul_(decoupled_decay_factor(self.lr, wd, self.decouple_lr, self.max_lr))
-                else:
-                    g = g + wd * p
+            g = decay_or_l2(p, g, self.lr, self.weight_decay, decoupled=self.decoupled_weight_decay,
+                            decouple_lr=self.decouple_lr, max_lr=self.max_lr)
 
             m.copy_(b1 * m + (1 - b1) * g)
             v.copy_(b2 * v + (1 - b2) * g * g)

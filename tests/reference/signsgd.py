@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from ._common import as_param_list, check_grads
+from ._common import as_param_list, check_grads, torch_momentum, with_grads
 
 
 class RefSignSGD:
@@ -44,21 +44,12 @@ class RefSignSGD:
     @torch.no_grad()
     def step(self, grads) -> None:
         grads = check_grads(self.params, grads)
-        for i, (p, g) in enumerate(zip(self.params, grads)):
-            if g is None:
-                continue
+        for i, p, g in with_grads(self.params, grads):
             d = g.clone()
             if self.weight_decay != 0:
                 d = d + self.weight_decay * p
             if self.momentum != 0:
-                st = self.state.get(i)
-                if st is None:
-                    st = {"momentum_buffer": d.clone()}
-                    self.state[i] = st
-                else:
-                    buf = st["momentum_buffer"]
-                    buf.copy_(self.momentum * buf + (1 - self.dampening) * d)
-                buf = st["momentum_buffer"]
+                buf = torch_momentum(self.state, i, d, self.momentum, self.dampening)
                 if self.nesterov:
                     d = d + self.momentum * buf
                 else:

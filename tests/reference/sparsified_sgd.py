@@ -49,7 +49,7 @@ from collections.abc import Callable
 
 import torch
 
-from ._common import as_param_list, check_grads
+from ._common import as_param_list, check_grads, with_grads
 
 MODES = ("random", "blockwise", "topk")
 
@@ -103,9 +103,7 @@ class RefSparsifiedSGD:
     def step(self, grads) -> None:
         grads = check_grads(self.params, grads)
         wd = self.weight_decay
-        for i, (p, g) in enumerate(zip(self.params, grads)):
-            if g is None:
-                continue
+        for i, p, g in with_grads(self.params, grads):
             mem = self.memory[i]
             if self.wd_in_memory and wd != 0:
                 mem.add_(self.lr * (g + wd * p))

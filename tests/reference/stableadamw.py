@@ -29,7 +29,14 @@ import math
 
 import torch
 
-from ._common import as_param_list, check_grads, resolve_max_lr
+from ._common import (
+    as_param_list,
+    check_grads,
+    decoupled_decay_factor,
+    lazy_state,
+    resolve_max_lr,
+    with_grads,
+)
 
 
 class RefStableAdamW:
@@ -60,13 +67,9 @@ class RefStableAdamW:
         self.t += 1
         t = self.t
         b1, b2 = self.beta1, self.beta2
-        for i, (p, g) in enumerate(zip(self.params, grads)):
-            if g is None:
-                continue
-            st = self.state.get(i)
-            if st is None:
-                st = {"exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
-                self.state[i] = st
+        for i, p, g in with_grads(self.params, grads):
+            st = lazy_state(self.state, i,
+                            lambda: {"exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)})
             m, v = st["exp_avg"], st["exp_avg_sq"]
 
             m.copy_(b1 * m + (1 - b1) * g)
@@ -79,10 +82,7 @@ class RefStableAdamW:
             self.last_rms[i] = rms
             lr_t = self.lr / max(1.0, rms)
 
-            if self.weight_decay != 0:
-                if self.decouple_lr:
-                    p.mul_(1 - (lr_t / self.max_lr) * self.weight_decay)
-                else:
-                    p.mul_(1 - lr_t * self.weight_decay)
+            if self.weight_decay != 0:  # with the clipped lr
+                p.mul_(decoupled_decay_factor(lr_t, self.weight_decay, self.decouple_lr, self.max_lr))
 
             p.sub_(lr_t * m_hat / (torch.sqrt(v_hat) + self.eps))
