@@ -4,8 +4,9 @@
     python benchmarks/kernels.py --quick    # smaller sizes, fewer repeats
 
 Prints the machine, its memory roof (an in-place 4-read/3-write fp32 pass on the kernels' own
-driver), then per case the median step time of each contender, the ratio to torch, and the
-effective bandwidth (bytes the update must move / time) as a fraction of the roof.
+driver), then per case the median step time of each contender (the optimizer contenders of a case
+are timed round-robin, one step each per round), the ratio to torch, and the effective bandwidth
+(bytes the update must move / time) as a fraction of the roof.
 Run on a quiet machine (check ``uptime``): the figures are memory-bound and any other job skews them.
 """
 
@@ -52,6 +53,20 @@ def timed(fn, repeat: int, warmup: int = 2) -> float:
     return statistics.median(times)
 
 
+def interleaved(fns, repeat: int, warmup: int = 2) -> list[float]:
+    """Median time of each of ``fns``, timed round-robin so that a noisy minute hits all alike."""
+    for fn in fns:
+        for _ in range(warmup):
+            fn()
+    times = [[] for _ in fns]
+    for _ in range(repeat):
+        for fn, bucket in zip(fns, times):
+            t = time.perf_counter()
+            fn()
+            bucket.append(time.perf_counter() - t)
+    return [statistics.median(bucket) for bucket in times]
+
+
 def roof(ext, n: int, repeat: int) -> float:
     a, b, c, d = (torch.rand(n) for _ in range(4))
     t = timed(lambda: ext.cpu_roof(a, b, c, d), repeat)
@@ -87,23 +102,25 @@ def adamw_case(title, sizes, repeat, ext, deepspeed):
     total = sum(torch.Size(s).numel() for s in sizes)
     top = roof(ext, 40_000_000 // (10 if total < 5_000_000 else 1), repeat)
     print(f"\n{title}: {total / 1e6:.0f}M params in {len(sizes)} tensors (28 B/param moved); roof now {top:.1f} GB/s")
-    base = timed(optimizer_step(lambda p: torch.optim.AdamW(p, lr=1e-3, fused=True), make(sizes), None), repeat)
-    row("torch.optim.AdamW(fused=True)", base, None, 28 * total, top)
-    t = timed(optimizer_step(lambda p: torch.optim.AdamW(p, lr=1e-3, foreach=True), make(sizes), None), repeat)
-    row("torch.optim.AdamW(foreach=True)", t, base, 28 * total, top)
-    t = timed(optimizer_step(lambda p: lo.AdamW(p, lr=1e-3), make(sizes), "torch"), repeat)
-    row("lightning_optim.AdamW, torch backend", t, base, 28 * total, top)
     params = make(sizes)
-    t = timed(optimizer_step(lambda p: lo.AdamW(p, lr=1e-3), params, "cpu"), repeat)
-    row("lightning_optim.AdamW, cpu kernels", t, base, 28 * total, top)
     ms, vs, gs = [torch.zeros(s) for s in sizes], [torch.zeros(s) for s in sizes], [p.grad for p in params]
     ps = [p.detach() for p in params]
-    t = timed(lambda: ext.adam(ps, gs, ms, vs, [], [], [], 0.1, 0.999, 0.001, -1e-3, 1.0, 1e-8, 0.0, 1.0, -0.0, True),
-              repeat)
-    row("  of which the kernel call (ext.adam)", t, base, 28 * total, top)
+    contenders = [
+        ("torch.optim.AdamW(fused=True)", optimizer_step(lambda p: torch.optim.AdamW(p, lr=1e-3, fused=True),
+                                                         make(sizes), None)),
+        ("torch.optim.AdamW(foreach=True)", optimizer_step(lambda p: torch.optim.AdamW(p, lr=1e-3, foreach=True),
+                                                           make(sizes), None)),
+        ("lightning_optim.AdamW, torch backend", optimizer_step(lambda p: lo.AdamW(p, lr=1e-3), make(sizes), "torch")),
+        ("lightning_optim.AdamW, cpu kernels", optimizer_step(lambda p: lo.AdamW(p, lr=1e-3), params, "cpu")),
+        ("  of which the kernel call (ext.adam)",
+         lambda: ext.adam(ps, gs, ms, vs, [], [], [], 0.1, 0.999, 0.001, -1e-3, 1.0, 1e-8, 0.0, 1.0, -0.0, True)),
+    ]
     if deepspeed is not None:
-        t = timed(optimizer_step(lambda p: deepspeed(p, lr=1e-3, adamw_mode=True), make(sizes), None), repeat)
-        row("deepspeed DeepSpeedCPUAdam", t, base, 28 * total, top)
+        contenders.append(("deepspeed DeepSpeedCPUAdam",
+                           optimizer_step(lambda p: deepspeed(p, lr=1e-3, adamw_mode=True), make(sizes), None)))
+    times = interleaved([fn for _, fn in contenders], repeat)
+    for i, ((name, _), t) in enumerate(zip(contenders, times)):
+        row(name, t, times[0] if i else None, 28 * total, top)
     os.environ.pop(ops.ENV_VAR, None)
 
 
@@ -123,14 +140,15 @@ def bf16_case(ext, n_tensors, total, repeat):
         ext.adam(ps, grads, states[0], states[1], [], comps, [], 0.1, 0.999, 0.001, -1e-3, 1.0, 1e-8, 0.0, 1.0, -0.0,
                  True)
 
-    t_kernel = timed(kernel, repeat)
-    base = timed(optimizer_step(lambda p: lo.Adam(p, lr=1e-3, fp32_state=True), make(sizes, torch.bfloat16),
-                                "torch"), repeat)
-    row("lightning_optim.Adam, torch backend", base, None, 26 * total, top)
-    t = timed(optimizer_step(lambda p: lo.Adam(p, lr=1e-3, fp32_state=True), make(sizes, torch.bfloat16), "cpu"),
-              repeat)
-    row("lightning_optim.Adam, cpu kernels (bf16 grads)", t, base, 26 * total, top)
-    row("kernel alone, bf16 grads (ext.adam)", t_kernel, base, 26 * total, top)
+    def adam(backend):
+        return optimizer_step(lambda p: lo.Adam(p, lr=1e-3, fp32_state=True), make(sizes, torch.bfloat16), backend)
+
+    contenders = [("lightning_optim.Adam, torch backend", adam("torch")),
+                  ("lightning_optim.Adam, cpu kernels (bf16 grads)", adam("cpu")),
+                  ("kernel alone, bf16 grads (ext.adam)", kernel)]
+    times = interleaved([fn for _, fn in contenders], repeat)
+    for i, ((name, _), t) in enumerate(zip(contenders, times)):
+        row(name, t, times[0] if i else None, 26 * total, top)
     os.environ.pop(ops.ENV_VAR, None)
 
 

@@ -198,7 +198,8 @@ class BaseOptimizer(torch.optim.Optimizer):
         for p in group["params"]:
             g = p.grad
             if g is not None:
-                _check_grad(g)
+                if g.is_sparse:  # torch's grad setter checks shape and dtype, not the layout
+                    _check_grad(g)
                 params.append(p)
                 grads.append(g)
         return params, grads
