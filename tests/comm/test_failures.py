@@ -61,5 +61,5 @@ def test_dead_or_hung_rank_gives_communication_error_within_timeout():
     assert "all_reduce" in message
     assert elapsed < PG_TIMEOUT + 5, elapsed
     message, elapsed = report["hung"]
-    assert "all_gather(scales)" in message and "timeout 5s" in message
+    assert "all_gather(sizes)" in message and "timeout 5s" in message  # its first collective
     assert PG_TIMEOUT - 1 < elapsed < PG_TIMEOUT + 5, elapsed
