@@ -176,7 +176,7 @@ def compressed_allreduce(tensor: Tensor, worker_error: Tensor, server_error: Ten
 
     # 3. server: average my chunk, add the server error, compress again, one scale per piece
     mine = plan.server[rank].on(device)
-    ids = plan.segment_ids[rank].to(device)
+    ids = plan.ids_on(rank, device)
     worker_scales = all_scales.view(world, nseg).index_select(1, ids).contiguous()
     rows = s.recv.view(world, cb)
     slots = plan.max_pieces

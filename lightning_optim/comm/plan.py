@@ -83,6 +83,15 @@ class CompressionPlan:
             self.server.append(Pieces(local, local, lens, self.chunk))
             self.final.append(Pieces(local, xoff, lens, self.chunk))
         self.max_pieces = max([pc.count for pc in self.server] + [1])
+        self._ids_on: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+    def ids_on(self, rank: int, device: torch.device) -> torch.Tensor:
+        """``segment_ids[rank]`` on ``device`` (cached: no host-to-device copy per call)."""
+        key = (rank, device)
+        found = self._ids_on.get(key)
+        if found is None:
+            found = self._ids_on[key] = self.segment_ids[rank].to(device)
+        return found
 
 
 _PLANS: "OrderedDict[tuple, CompressionPlan]" = OrderedDict()
