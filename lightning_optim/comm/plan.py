@@ -13,6 +13,7 @@ server scale, sent after the chunk's packed signs (``max_pieces`` slots per rank
 """
 from __future__ import annotations
 
+import operator
 import zlib
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -31,10 +32,14 @@ def _lengths(numel: int, segments: Sequence[int] | None) -> tuple[int, ...]:
         segments = segments.tolist()
     lengths = []
     for i, s in enumerate(segments):
-        if isinstance(s, bool) or not isinstance(s, int) or s < 0:
+        try:
+            value = operator.index(s)  # ints, numpy integers, 0-d integer tensors
+        except TypeError:
+            value = None
+        if isinstance(s, bool) or value is None or value < 0:
             raise ValueError(f"segments[{i}] must be an integer >= 0, got {s!r}")
-        if s:
-            lengths.append(s)
+        if value:
+            lengths.append(value)
     if sum(lengths) != numel:
         raise ValueError(f"segments must add up to the tensor's {numel} elements, they add up to {sum(lengths)}")
     return tuple(lengths)
@@ -99,11 +104,11 @@ _PLANS: "OrderedDict[tuple, CompressionPlan]" = OrderedDict()
 
 def plan_for(numel: int, world: int, segments: Sequence[int] | None = None) -> CompressionPlan:
     """The (cached) plan of ``numel`` elements in ``segments`` on ``world`` ranks."""
-    key = (numel, world, None if segments is None else tuple(segments.tolist() if isinstance(segments, torch.Tensor)
-                                                             else segments))
+    lengths = _lengths(numel, segments)  # validated before the cache sees them (3.0 == 3 as a key)
+    key = (numel, world, lengths)
     found = _PLANS.get(key)
     if found is None:
-        found = _PLANS[key] = CompressionPlan(numel, world, segments)
+        found = _PLANS[key] = CompressionPlan(numel, world, lengths)
         while len(_PLANS) > _MAX_CACHED:
             _PLANS.popitem(last=False)
     else:

@@ -114,6 +114,9 @@ def test_segment_validation():
     assert error_buffer_sizes(10, 2, [3, 0, 7]) == (16, 8)
     assert error_buffer_sizes(10, 2, [3, 7]) == error_buffer_sizes(10, 2, [3, 0, 7])
     assert error_buffer_sizes(17, 2, [9, 8]) == (32, 16)
+    assert error_buffer_sizes(10, 2, torch.tensor([3, 7])) == (16, 8)  # integer tensors and numpy ints too
+    with pytest.raises(ValueError, match=r"segments\[0\]"):
+        error_buffer_sizes(10, 2, [3.0, 7])
 
 
 def test_error_feedback_beats_plain_sign_over_many_calls():
