@@ -1,8 +1,10 @@
 """Compressed collectives on torch.distributed (any backend; gloo on CPU, NCCL on GPU).
 
-* ``compressed_allreduce(tensor, worker_error, server_error, group=None)``: error-compensated
-  1-bit averaging allreduce, in place, identical result on every rank;
-  ``make_error_buffers`` / ``error_buffer_sizes`` give its per-tensor error buffers.
+* ``compressed_allreduce(tensor, worker_error, server_error, group=None, segments=None)``:
+  error-compensated 1-bit averaging allreduce, in place, identical result on every rank, one
+  scale per segment (e.g. per param of a flat buffer); ``make_error_buffers`` /
+  ``error_buffer_sizes`` give its per-tensor error buffers (``plan.py``: the layout,
+  ``pieces.py``: the element-wise passes, compiled or in torch).
 * ``allreduce_mean(tensor, group=None)``: full-precision average (bf16/fp16 upcast to fp32).
 * ``pack_signs`` / ``unpack_signs``: 8 signs per byte (``sign(0) = +1``).
 * ``comm_stats()`` / ``reset_comm_stats()`` / ``CommStats``: bytes put on the wire by this rank.
