@@ -8,9 +8,9 @@ padded space of ``N`` elements (each segment starts on a multiple of 8, ``N`` a 
 1. worker: ``z = x + worker_error``; per segment ``s``, ``scale_s = ||z_s|| / sqrt(len_s)``; the
    compressed value is ``scale_s * sign(z)`` (``sign(0) = +1``); ``worker_error = z - scale*sign(z)``
    (0 on the padding);
-2. an ``all_gather`` checks that every rank passes the same ``n`` and segments, another shares the
-   worker scales; the signs, packed 8 per byte, are cut into ``W`` chunks of ``C`` positions and
-   ``all_to_all`` sends chunk ``r`` to rank ``r``;
+2. an ``all_gather`` checks that every rank passes the same ``n`` and segments; the signs, packed 8
+   per byte, are cut into ``W`` chunks of ``C`` positions and ``all_to_all`` sends chunk ``r``,
+   followed by the worker's segment scales, to rank ``r``;
 3. server (rank ``r`` owns chunk ``r``): ``z_s = mean_w(scale_w * sign_w) + server_error`` on the
    real positions; per piece (a segment's part of the chunk) ``t = ||z_s|| / sqrt(len)``;
    ``server_error = z_s - t * sign(z_s)`` (padding: never part of a scale, error 0);
@@ -85,7 +85,6 @@ class _Scratch:
     def __init__(self, padded: int, world: int, device: torch.device):
         self.cb = padded // world // 8
         self.packed = torch.zeros(padded // 8, dtype=torch.uint8, device=device)
-        self.recv = torch.empty(padded // 8, dtype=torch.uint8, device=device)
         self.header = torch.empty(_HEADER, dtype=torch.float64, device=device)
         self.headers = torch.empty(_HEADER * world, dtype=torch.float64, device=device)
 
@@ -164,21 +163,26 @@ def compressed_allreduce(tensor: Tensor, worker_error: Tensor, server_error: Ten
     x = tensor.view(-1) if fast else tensor.reshape(-1).to(torch.float32)
     nseg, cb = len(plan.lengths), s.cb
 
-    # 1. worker: one scale per segment, shared; signs packed, the residual kept
+    # 1. worker: one scale per segment; signs packed, the residual kept
     worker = plan.worker.on(device)
     scales = worker.scales(passes.sumsq(x, worker_error, worker))
-    all_scales = torch.empty(world * nseg, dtype=torch.float32, device=device)
-    collective("all_gather(scales)", _all_gather_single, all_scales, scales, group=group)
     passes.compress(x, worker_error, s.packed, scales, worker, add_err=True)
 
-    # 2. exchange chunks: rank r receives chunk r of every worker
-    collective("all_to_all_single(signs)", dist.all_to_all_single, s.recv, s.packed, group=group)
+    # 2. exchange chunks: rank r receives chunk r of every worker, each followed by that worker's
+    # scales (one collective instead of an all_gather of the scales before it)
+    row = cb + 4 * nseg
+    send = torch.empty(world, row, dtype=torch.uint8, device=device)
+    send[:, :cb].copy_(s.packed.view(world, cb))
+    send[:, cb:].copy_(scales.view(torch.uint8).expand(world, 4 * nseg))
+    recv = torch.empty_like(send)
+    collective("all_to_all_single(signs)", dist.all_to_all_single, recv, send, group=group)
+    all_scales = recv[:, cb:].contiguous().view(torch.float32)  # [W, S]
 
     # 3. server: average my chunk, add the server error, compress again, one scale per piece
     mine = plan.server[rank].on(device)
     ids = plan.ids_on(rank, device)
-    worker_scales = all_scales.view(world, nseg).index_select(1, ids).contiguous()
-    rows = s.recv.view(world, cb)
+    worker_scales = all_scales.index_select(1, ids).contiguous()
+    rows = recv  # worker w's signs of my chunk start row w
     slots = plan.max_pieces
     send = torch.zeros(cb + 4 * slots, dtype=torch.uint8, device=device)
     server_scales = torch.zeros(slots, dtype=torch.float32, device=device)
