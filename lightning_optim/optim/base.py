@@ -257,6 +257,8 @@ class BaseOptimizer(torch.optim.Optimizer):
                 by_key.setdefault(bucket_key, []).append(i)
             indices = list(by_key.values())
         plan = [(idx, [states[i] for i in idx], self._compute_dtype(group, params[idx[0]])) for idx in indices]
+        for idx, bucket_states, _ in plan:
+            _pack_states([params[i] for i in idx], bucket_states)
         self._plans[id(group)] = (key, plan)
         return plan
 
@@ -381,6 +383,36 @@ class BaseOptimizer(torch.optim.Optimizer):
             for key, value in saved.items():
                 if isinstance(value, Tensor):
                     state[key] = value.to(device=p.device, copy=True)
+
+
+def _pack_states(params: list[Tensor], states: list[dict[str, Any]]) -> None:
+    """Move the per-element state tensors of a bucket into one buffer per state name (views).
+
+    Thousands of small state tensors are thousands of small allocations on 4 KB pages; the
+    fused kernels stream them ~1.7x slower than the same bytes in one buffer. Only standalone
+    tensors move (fresh states, or the owning copies ``load_state_dict`` makes), once; a
+    checkpoint still sees one tensor per param (torch.save keeps the shared storage once,
+    torch.distributed.checkpoint copies views out).
+    """
+    if len(params) < 2:
+        return
+    for name, first in states[0].items():
+        if not isinstance(first, Tensor):
+            continue
+        members = [s.get(name) for s in states]
+        if not all(
+            isinstance(t, Tensor) and t.shape == p.shape and t.dtype == first.dtype and t.device == first.device
+            and t.is_contiguous() and t._base is None and t.untyped_storage().nbytes() == t.nbytes
+            for t, p in zip(members, params)
+        ):
+            continue
+        flat = torch.empty(sum(t.numel() for t in members), dtype=first.dtype, device=first.device)
+        offset = 0
+        for s, t in zip(states, members):
+            view = flat[offset : offset + t.numel()].view(t.shape)
+            view.copy_(t)
+            s[name] = view
+            offset += t.numel()
 
 
 def _check_grad(grad: Tensor) -> None:

@@ -242,3 +242,25 @@ def test_kahan_on_fp32_params_warns_once():
     with pytest.warns(UserWarning, match="kahan_sum=True has no effect"):
         run_steps(opt, params, grad_stream(steps=2))
     assert not any("kahan_comp" in opt.state[p] for p in params)
+
+
+def test_bucket_states_share_one_buffer_saved_once_and_repacked_after_reload():
+    params = [torch.nn.Parameter(torch.randn(1000, generator=torch.Generator().manual_seed(i))) for i in range(20)]
+    opt = lo.AdamW(params, lr=1e-3)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+
+    def buffers(key):
+        return {opt.state[p][key].untyped_storage().data_ptr() for p in params}
+
+    assert len(buffers("exp_avg")) == 1 and len(buffers("exp_avg_sq")) == 1
+    saved = io.BytesIO()
+    torch.save(opt.state_dict(), saved)
+    state_bytes = 2 * 20 * 1000 * 4  # exp_avg + exp_avg_sq, fp32
+    assert state_bytes < saved.tell() < 1.2 * state_bytes  # the shared buffers once, not once per view
+    saved.seek(0)
+    opt.load_state_dict(torch.load(saved))
+    assert len(buffers("exp_avg")) == 20  # load_state_dict makes owning copies...
+    opt.step()
+    assert len(buffers("exp_avg")) == 1  # ...which the next step packs again
