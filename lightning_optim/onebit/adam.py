@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from lightning_optim.onebit.base import OnebitOptimizer, _Layout, check_step_count
+from lightning_optim.onebit.base import OnebitOptimizer
+from lightning_optim.onebit.layout import Layout, check_step_count
 from lightning_optim.optim.adam import adam_first_moment_
 from lightning_optim.optim.base import ParamsT
 from lightning_optim.optim.validation import check_flag
@@ -134,7 +135,7 @@ class OnebitAdam(OnebitOptimizer):
     def _needs_average(self, t: int) -> bool:
         return t <= self.freeze_step
 
-    def _onebit_step(self, layout: _Layout, t: int) -> None:
+    def _onebit_step(self, layout: Layout, t: int) -> None:
         grad_flat, _ = self._scratch(layout, "grad")
         warmup = t <= self.freeze_step
         if warmup and self.average_grads:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import copy
 import warnings
-import zlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -23,6 +22,7 @@ from torch import Tensor
 
 from lightning_optim import ops
 from lightning_optim.comm import allreduce_mean, compressed_allreduce, error_buffer_sizes, make_error_buffers
+from lightning_optim.onebit.layout import Layout
 from lightning_optim.optim.adam import adam_deltas, adam_first_moment_, adam_second_moment_
 from lightning_optim.optim.base import BaseOptimizer, Batch, ParamsT, _check_grad
 from lightning_optim.optim.validation import check_betas, check_flag, check_non_negative, check_positive
@@ -30,39 +30,6 @@ from lightning_optim.optim.validation import check_betas, check_flag, check_non_
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # comm_backend_name values DeepSpeed knows; we always talk through torch.distributed.
 _DEEPSPEED_BACKENDS = ("nccl", "mpi", "hccl", "compressed")
-
-
-class _Layout:
-    """The trained params of all groups, in group order, and their places in a flat buffer."""
-
-    def __init__(self, param_groups: list[dict[str, Any]]) -> None:
-        self.params: list[Tensor] = []
-        self.group_of: list[int] = []
-        for gi, group in enumerate(param_groups):
-            for p in group["params"]:
-                if p.requires_grad:
-                    self.params.append(p)
-                    self.group_of.append(gi)
-        self.key = tuple(id(p) for p in self.params)
-        self.offsets, offset = [], 0
-        self.numels = [p.numel() for p in self.params]
-        for numel in self.numels:
-            self.offsets.append(offset)
-            offset += numel
-        self.numel = offset
-        devices = {p.device for p in self.params}
-        if len(devices) > 1:
-            raise ValueError(f"params: 1-bit optimizers need every param on one device, got {sorted(map(str, devices))}")
-        self.device = devices.pop() if devices else torch.device("cpu")
-        self.buckets: list[tuple[int, list[int]]] = []  # filled once the states exist
-        self.scratch: dict[str, tuple[Tensor, list[Tensor]]] = {}
-
-    def views(self, flat: Tensor) -> list[Tensor]:
-        return [flat[o : o + p.numel()].view(p.shape) for o, p in zip(self.offsets, self.params)]
-
-    def signature(self) -> list[int]:
-        shapes = repr([tuple(p.shape) for p in self.params]).encode()
-        return [len(self.params), self.numel, zlib.crc32(shapes)]
 
 
 class OnebitOptimizer(BaseOptimizer):
@@ -93,7 +60,7 @@ class OnebitOptimizer(BaseOptimizer):
         self.process_group = process_group
         self._check_compat(cuda_aware, comm_backend_name, defaults.get("max_grad_norm", 0.0))
         self._sched: dict[str, Any] = self._initial_schedule()
-        self._layout: _Layout | None = None
+        self._layout: Layout | None = None
         self._flats: dict[str, Tensor] = {}
         self._flat_views: dict[str, list[Tensor]] = {}
         self._worker_error: Tensor | None = None
@@ -209,13 +176,13 @@ class OnebitOptimizer(BaseOptimizer):
         self._sched["step"] = t
         return loss
 
-    def _prepare_layout(self) -> _Layout:
+    def _prepare_layout(self) -> Layout:
         current = self._layout
         key = tuple(id(p) for group in self.param_groups for p in group["params"] if p.requires_grad)
         if current is not None and current.key == key and (not key or current.params[0].device == current.device):
             self._relink(current)
             return current
-        layout = _Layout(self.param_groups)
+        layout = Layout(self.param_groups)
         self._check_same_params_on_every_rank(layout)
         self._flats = {}
         buckets: dict[tuple, list[int]] = {}
@@ -236,7 +203,7 @@ class OnebitOptimizer(BaseOptimizer):
                 self._flat(name)  # made in a later stage; a checkpoint brought it back
         return layout
 
-    def _check_same_params_on_every_rank(self, layout: _Layout) -> None:
+    def _check_same_params_on_every_rank(self, layout: Layout) -> None:
         world, _ = self._world()
         if world == 1:
             return
@@ -270,7 +237,7 @@ class OnebitOptimizer(BaseOptimizer):
             self._flat_views[key] = views
         return flat
 
-    def _relink(self, layout: _Layout) -> None:
+    def _relink(self, layout: Layout) -> None:
         """Re-adopt the flat buffers whose per-param views were replaced from outside (e.g.
         Lightning's ``_optimizer_to_device`` copies state tensors), so they stay the truth."""
         for key in list(self._flats):
@@ -283,7 +250,7 @@ class OnebitOptimizer(BaseOptimizer):
         return bool(self._layout.params) and key in self.state[self._layout.params[0]]
 
     @staticmethod
-    def _scratch(layout: _Layout, key: str) -> tuple[Tensor, list[Tensor]]:
+    def _scratch(layout: Layout, key: str) -> tuple[Tensor, list[Tensor]]:
         """A flat fp32 work buffer (not state), allocated once per layout, and its views."""
         entry = layout.scratch.get(key)
         if entry is None:
@@ -292,7 +259,7 @@ class OnebitOptimizer(BaseOptimizer):
         return entry
 
     def _batches(
-        self, layout: _Layout, t: int, grads: list[Tensor] | None = None
+        self, layout: Layout, t: int, grads: list[Tensor] | None = None
     ) -> Iterator[tuple[int, dict, Batch]]:
         """(group index, group, Batch) per (group, param dtype, Kahan) bucket; ``grads``
         defaults to the views of the flat gradient buffer."""
@@ -341,7 +308,7 @@ class OnebitOptimizer(BaseOptimizer):
                              eps_inside_sqrt=group["eps_inside_sqrt"])
         self._apply(batch, deltas, decay=decay)
 
-    def _mask_(self, layout: _Layout, views: list[Tensor]) -> None:
+    def _mask_(self, layout: Layout, views: list[Tensor]) -> None:
         """Multiply by each group's ``exp_avg_mask`` (DeepSpeed: after the compressed allreduce)."""
         for i, gi in enumerate(layout.group_of):
             group = self.param_groups[gi]
@@ -458,17 +425,8 @@ class OnebitOptimizer(BaseOptimizer):
     def _init_param_state(self, group: dict[str, Any], p: Tensor, state: dict[str, Any]) -> None:
         """Per-param scalar states (the flat keys are created by :meth:`_flat`)."""
 
-    def _onebit_step(self, layout: _Layout, t: int) -> None:
+    def _onebit_step(self, layout: Layout, t: int) -> None:
         raise NotImplementedError
 
     def _needs_average(self, t: int) -> bool:
         raise NotImplementedError
-
-
-def check_step_count(name: str, value: object, minimum: int = 0) -> int:
-    """An integer step count >= ``minimum``."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an integer, got {type(value).__name__} ({value!r})")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value

@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from lightning_optim.onebit.base import OnebitOptimizer, _Layout, check_step_count
+from lightning_optim.onebit.base import OnebitOptimizer
+from lightning_optim.onebit.layout import Layout, check_step_count
 from lightning_optim.optim.adam import adam_second_moment_
 from lightning_optim.optim.base import Batch, ParamsT
 from lightning_optim.optim.lamb import lamb_denominator, lamb_direction, lamb_first_moment_, trust_ratios
@@ -172,7 +173,7 @@ class OnebitLamb(OnebitOptimizer):
             if p.requires_grad and "lamb_coeff" in self.state[p]
         ]
 
-    def _onebit_step(self, layout: _Layout, t: int) -> None:
+    def _onebit_step(self, layout: Layout, t: int) -> None:
         if t <= self.freeze_step:
             self._warmup_step(layout, t)
         else:
@@ -187,7 +188,7 @@ class OnebitLamb(OnebitOptimizer):
         torch._foreach_mul_(update, (coeff * -group["lr"]).unbind())
         self._apply(batch, update)
 
-    def _warmup_step(self, layout: _Layout, t: int) -> None:
+    def _warmup_step(self, layout: Layout, t: int) -> None:
         if self.average_grads:
             self._average_(self._scratch(layout, "grad")[0])
         for _, group, batch in self._batches(layout, t):
@@ -206,7 +207,7 @@ class OnebitLamb(OnebitOptimizer):
         if t == self.freeze_step:
             self._flat("exp_avg_sq_fresh").copy_(self._flat("exp_avg_sq"))
 
-    def _compression_step(self, layout: _Layout, t: int) -> None:
+    def _compression_step(self, layout: Layout, t: int) -> None:
         exp_avg_flat = self._flat("exp_avg")
         if not self._has_state("exp_avg_sq_fresh"):  # freeze_step == 0
             self._flat("exp_avg_sq_fresh").copy_(self._flat("exp_avg_sq"))
@@ -234,7 +235,7 @@ class OnebitLamb(OnebitOptimizer):
         for _, group, batch in self._batches(layout, t):
             self._compressed_update(batch, group, t)
 
-    def _init_scaling_coeffs(self, layout: _Layout, momenta: list[Tensor]) -> None:
+    def _init_scaling_coeffs(self, layout: Layout, momenta: list[Tensor]) -> None:
         scales = torch.stack(torch._foreach_norm(momenta))
         scales = scales / torch.tensor([math.sqrt(m.numel()) for m in momenta], device=scales.device)
         united = scales.mean()

@@ -7,7 +7,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lightning_optim.onebit.base import OnebitOptimizer, _Layout, check_step_count
+from lightning_optim.onebit.base import OnebitOptimizer
+from lightning_optim.onebit.layout import Layout, check_step_count
 from lightning_optim.optim.adam import adam_denominator, adam_first_moment_
 from lightning_optim.optim.base import ParamsT
 from lightning_optim.optim.validation import check_flag
@@ -162,7 +163,7 @@ class ZeroOneAdam(OnebitOptimizer):
     def _needs_average(self, t: int) -> bool:
         return t <= self.var_freeze_step and t % self._sched["var_interval"] == 0
 
-    def _onebit_step(self, layout: _Layout, t: int) -> None:
+    def _onebit_step(self, layout: Layout, t: int) -> None:
         if t <= self.var_freeze_step:
             self._variance_stage_step(layout, t)
         else:
@@ -175,7 +176,7 @@ class ZeroOneAdam(OnebitOptimizer):
         n = self._sched["var_updates"]
         return 1 - beta1**t, (1 - beta2**n if n else 1.0)
 
-    def _variance_stage_step(self, layout: _Layout, t: int) -> None:
+    def _variance_stage_step(self, layout: Layout, t: int) -> None:
         s = self._sched
         var_step = t % s["var_interval"] == 0
         grad_flat, grad_views = self._scratch(layout, "grad")
@@ -198,7 +199,7 @@ class ZeroOneAdam(OnebitOptimizer):
         if t == self.var_freeze_step:
             self._reset_error_buffers()  # from now on they hold momentum residue, not gradient residue
 
-    def _local_stage_step(self, layout: _Layout, t: int) -> None:
+    def _local_stage_step(self, layout: Layout, t: int) -> None:
         s = self._sched
         groups = self.param_groups
         s["lr_sum"] += [0.0] * (len(groups) - len(s["lr_sum"]))
@@ -236,7 +237,7 @@ class ZeroOneAdam(OnebitOptimizer):
             s["local_step_counter"] = 0
             s["local_step_interval"] = min(self.local_step_clipper, s["local_step_interval"] * 2)
 
-    def _synchronize(self, layout: _Layout, t: int, accumulator: torch.Tensor, from_anchor: bool) -> None:
+    def _synchronize(self, layout: Layout, t: int, accumulator: torch.Tensor, from_anchor: bool) -> None:
         s = self._sched
         self._compress_(accumulator)
         self._mask_(layout, [self.state[p]["momentum_accumulator"] for p in layout.params])

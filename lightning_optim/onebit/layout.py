@@ -1,0 +1,51 @@
+"""Where the trained params of a 1-bit optimizer live in its flat buffers, and its step-count check."""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+class Layout:
+    """The trained params of all groups, in group order, and their places in a flat buffer."""
+
+    def __init__(self, param_groups: list[dict[str, Any]]) -> None:
+        self.params: list[Tensor] = []
+        self.group_of: list[int] = []
+        for gi, group in enumerate(param_groups):
+            for p in group["params"]:
+                if p.requires_grad:
+                    self.params.append(p)
+                    self.group_of.append(gi)
+        self.key = tuple(id(p) for p in self.params)
+        self.offsets, offset = [], 0
+        self.numels = [p.numel() for p in self.params]
+        for numel in self.numels:
+            self.offsets.append(offset)
+            offset += numel
+        self.numel = offset
+        devices = {p.device for p in self.params}
+        if len(devices) > 1:
+            raise ValueError(f"params: 1-bit optimizers need every param on one device, got {sorted(map(str, devices))}")
+        self.device = devices.pop() if devices else torch.device("cpu")
+        self.buckets: list[tuple[int, list[int]]] = []  # filled once the states exist
+        self.scratch: dict[str, tuple[Tensor, list[Tensor]]] = {}
+
+    def views(self, flat: Tensor) -> list[Tensor]:
+        return [flat[o : o + p.numel()].view(p.shape) for o, p in zip(self.offsets, self.params)]
+
+    def signature(self) -> list[int]:
+        shapes = repr([tuple(p.shape) for p in self.params]).encode()
+        return [len(self.params), self.numel, zlib.crc32(shapes)]
+
+
+def check_step_count(name: str, value: object, minimum: int = 0) -> int:
+    """An integer step count >= ``minimum``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an integer, got {type(value).__name__} ({value!r})")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
