@@ -2,35 +2,15 @@
 // include/kernel_api.h called on the CPU (cpu/) or, when built WITH_CUDA, on the GPU (cuda/).
 // Every argument is checked here (device, dtype, contiguity, sizes) before any tensor is touched,
 // so a refused call leaves everything as it was.
-// ATen + torch's pybind casters only: a third of torch/extension.h's compile time.
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
-#include <torch/csrc/utils/pybind.h>
-
-#include <optional>
-#include <string>
-#include <vector>
-
-#ifdef WITH_CUDA
-#include <ATen/cuda/CUDAContext.h>
-#include <c10/cuda/CUDAGuard.h>
-#endif
-
-#include "include/kernel_api.h"
+#include "bindings_common.h"
 
 namespace {
 
-using TensorList = std::vector<at::Tensor>;
+using lo_bind::check_flat;
+using lo_bind::dtype_of;
+using lo_bind::exec_for;
 
-lo::DType dtype_of(const at::Tensor& t, const char* what) {
-  switch (t.scalar_type()) {
-    case at::kFloat: return lo::DType::F32;
-    case at::kBFloat16: return lo::DType::BF16;
-    case at::kHalf: return lo::DType::F16;
-    default: TORCH_CHECK_TYPE(false, what, ": dtype ", t.scalar_type(), " is not supported (float32, bfloat16, float16)");
-  }
-  return lo::DType::F32;
-}
+using TensorList = std::vector<at::Tensor>;
 
 // What the tensors of one list must be, relative to the params (list 0).
 enum class Role { Param, Grad, F32, SameAsParam, Any16 };
@@ -109,28 +89,7 @@ Packed pack(const std::vector<ListSpec>& specs) {
 
 bool is_cuda(const Packed& p) { return p.device.is_cuda(); }
 
-lo::Exec exec_for(const at::Device& device) {
-  lo::Exec ex;
-  ex.threads = at::get_num_threads();
-#ifdef WITH_CUDA
-  if (device.is_cuda()) ex.stream = at::cuda::getCurrentCUDAStream(device.index()).stream();
-#else
-  TORCH_CHECK(!device.is_cuda(), "lightning_optim kernels were built without CUDA; use the torch backend for CUDA tensors");
-#endif
-  return ex;
-}
 
-#ifdef WITH_CUDA
-#define LO_GUARD(dev) c10::cuda::OptionalCUDAGuard guard_(dev.is_cuda() ? std::optional<at::Device>(dev) : std::nullopt)
-#define LO_CALL(packed, fn, ...) \
-  (is_cuda(packed) ? lo::cuda::fn(__VA_ARGS__) : lo::cpu::fn(__VA_ARGS__))
-#define LO_CALL_DEV(device, fn, ...) \
-  ((device).is_cuda() ? lo::cuda::fn(__VA_ARGS__) : lo::cpu::fn(__VA_ARGS__))
-#else
-#define LO_GUARD(dev) (void)0
-#define LO_CALL(packed, fn, ...) lo::cpu::fn(__VA_ARGS__)
-#define LO_CALL_DEV(device, fn, ...) lo::cpu::fn(__VA_ARGS__)
-#endif
 
 lo::Decay decay_of(double keep, double neg_decay) {
   return lo::Decay{static_cast<float>(keep), static_cast<float>(neg_decay)};
@@ -289,220 +248,6 @@ void stable_apply(const TensorList& params, const TensorList& exp_avgs, const Te
   LO_CALL(p, stable_apply, exec_for(p.device), p.args, h, p.types);
 }
 
-// ------------------------------------------------------------------ 1-bit
-void check_flat(const at::Tensor& t, const char* name, at::ScalarType type, const at::Device& device) {
-  TORCH_CHECK_VALUE(t.device() == device, name, ": on ", t.device(), ", expected ", device);
-  TORCH_CHECK_TYPE(t.scalar_type() == type, name, ": expected ", type, ", got ", t.scalar_type());
-  TORCH_CHECK_VALUE(t.is_contiguous(), name, ": must be contiguous");
-}
-
-void check_packed(const at::Tensor& packed, int64_t n, const at::Device& device) {
-  check_flat(packed, "packed", at::kByte, device);
-  TORCH_CHECK_VALUE(packed.numel() == (n + 7) / 8, "packed: expected ", (n + 7) / 8, " bytes for ", n, " values, got ",
-                    packed.numel());
-}
-
-// z = x + err (add_err) or z = x; packed <- signs of z; err <- z - scale * sign(z).
-// Returns the scale used: the given one, else ||z|| / sqrt(n).
-double onebit_compress(const at::Tensor& x, const at::Tensor& err, const at::Tensor& packed,
-                       std::optional<double> scale, bool add_err) {
-  const at::Device device = x.device();
-  check_flat(x, "x", at::kFloat, device);
-  check_flat(err, "err", at::kFloat, device);
-  TORCH_CHECK_VALUE(err.numel() == x.numel(), "err: ", err.numel(), " elements, x has ", x.numel());
-  const int64_t n = x.numel();
-  check_packed(packed, n, device);
-  if (n == 0) return scale.value_or(0.0);
-  LO_GUARD(device);
-  lo::Exec ex = exec_for(device);
-  double s;
-  if (scale.has_value()) {
-    s = *scale;
-  } else {
-    at::Tensor sums = at::zeros({2}, at::TensorOptions().dtype(at::kDouble).device(device));
-    const float* zero_err = nullptr;
-    at::Tensor zeros;
-    if (!add_err) {  // the norm of x alone
-      zeros = at::zeros_like(x);
-      zero_err = zeros.data_ptr<float>();
-    }
-    const float* e = add_err ? err.data_ptr<float>() : zero_err;
-#ifdef WITH_CUDA
-    if (device.is_cuda()) lo::cuda::onebit_sumsq(ex, x.data_ptr<float>(), e, n, sums.data_ptr<double>());
-    else
-#endif
-      lo::cpu::onebit_sumsq(ex, x.data_ptr<float>(), e, n, sums.data_ptr<double>());
-    s = std::sqrt(sums[0].item<double>() / static_cast<double>(n));
-  }
-  const lo::Ef mode = add_err ? lo::Ef::Feedback : lo::Ef::Residual;
-  LO_CALL_DEV(device, onebit_compress, ex, x.data_ptr<float>(), err.data_ptr<float>(), packed.data_ptr<uint8_t>(), n,
-              float(s), mode);
-  return s;
-}
-
-// packed <- signs of x (bit = x >= 0, LSB first, a partial last byte padded with 1 bits).
-void onebit_pack(const at::Tensor& x, const at::Tensor& packed) {
-  const at::Device device = x.device();
-  check_flat(x, "x", at::kFloat, device);
-  check_packed(packed, x.numel(), device);
-  if (x.numel() == 0) return;
-  LO_GUARD(device);
-  LO_CALL_DEV(device, onebit_compress, exec_for(device), x.data_ptr<float>(), nullptr, packed.data_ptr<uint8_t>(),
-              x.numel(), 1.0f, lo::Ef::None);
-}
-
-// out <- +scale where the bit is set, -scale elsewhere (out: float32, bfloat16 or float16).
-void onebit_unpack(const at::Tensor& packed, const at::Tensor& out, double scale) {
-  const at::Device device = out.device();
-  TORCH_CHECK_VALUE(out.is_contiguous(), "out: must be contiguous");
-  lo::DType type = dtype_of(out, "out");
-  check_packed(packed, out.numel(), device);
-  if (out.numel() == 0) return;
-  LO_GUARD(device);
-  LO_CALL_DEV(device, onebit_unpack, exec_for(device), packed.data_ptr<uint8_t>(), type, out.data_ptr(), out.numel(),
-              float(scale));
-}
-
-// out[8k + j] <- table[packed[k], j] for a 256 x 8 table of out's dtype.
-void onebit_unpack_table(const at::Tensor& packed, const at::Tensor& table, const at::Tensor& out) {
-  const at::Device device = out.device();
-  TORCH_CHECK_VALUE(out.is_contiguous(), "out: must be contiguous");
-  lo::DType type = dtype_of(out, "out");
-  check_flat(table, "table", out.scalar_type(), device);
-  TORCH_CHECK_VALUE(table.numel() == 256 * 8, "table: expected 256 x 8 values, got ", table.numel());
-  check_packed(packed, out.numel(), device);
-  if (out.numel() == 0) return;
-  LO_GUARD(device);
-  LO_CALL_DEV(device, onebit_unpack_table, exec_for(device), packed.data_ptr<uint8_t>(), type, table.data_ptr(),
-              out.data_ptr(), out.numel());
-}
-
-// ------------------------------------------------------------------ 1-bit over pieces (per-tensor scales)
-// `pieces` is an int64 [3, P] tensor (rows: pos, off, len) on the data's device; see lo::Pieces.
-lo::Pieces pieces_of(const at::Tensor& table, int64_t total, const at::Device& device) {
-  check_flat(table, "pieces", at::kLong, device);
-  TORCH_CHECK_VALUE(table.dim() == 2 && table.size(0) == 3, "pieces: expected an int64 [3, P] tensor");
-  TORCH_CHECK_VALUE(total >= 0 && total % 8 == 0, "total: must be a multiple of 8, got ", total);
-  lo::Pieces pc;
-  pc.n = table.size(1);
-  pc.total = total;
-  pc.pos = table.data_ptr<int64_t>();
-  pc.off = pc.pos + pc.n;
-  pc.len = pc.off + pc.n;
-  if (!device.is_cuda()) {  // host tables are cheap to check: sorted, byte-aligned, inside the space
-    int64_t end = 0;
-    for (int64_t p = 0; p < pc.n; ++p) {
-      TORCH_CHECK_VALUE(pc.pos[p] % 8 == 0 && pc.pos[p] >= end && pc.len[p] >= 0 && pc.off[p] >= 0 &&
-                            pc.pos[p] + pc.len[p] <= total,
-                        "pieces: piece ", p, " (pos ", pc.pos[p], ", len ", pc.len[p],
-                        ") is not byte-aligned, sorted and inside the ", total, "-element space");
-      end = pc.pos[p] + pc.len[p];
-    }
-  }
-  return pc;
-}
-
-int64_t pieces_off_end(const at::Tensor& table) {  // the largest off + len (host tables only)
-  if (table.is_cuda() || table.size(1) == 0) return 0;
-  return (table[1] + table[2]).max().item<int64_t>();
-}
-
-void check_pieces_fit(const at::Tensor& table, const at::Tensor& values, const char* name) {
-  TORCH_CHECK_VALUE(pieces_off_end(table) <= values.numel(), name, ": ", values.numel(),
-                    " elements, the pieces reach ", pieces_off_end(table));
-}
-
-at::Tensor piece_sums_tensor(const lo::Pieces& pc, const at::Device& device) {
-  return at::zeros({pc.n}, at::TensorOptions().dtype(at::kDouble).device(device));
-}
-
-// Per piece: sum of (x[off + j] + err[pos + j])^2 (err None: of x alone), as float64 [P].
-at::Tensor onebit_seg_sumsq(const at::Tensor& x, const std::optional<at::Tensor>& err, const at::Tensor& pieces,
-                            int64_t total) {
-  const at::Device device = x.device();
-  check_flat(x, "x", at::kFloat, device);
-  lo::Pieces pc = pieces_of(pieces, total, device);
-  check_pieces_fit(pieces, x, "x");
-  const float* e = nullptr;
-  if (err.has_value()) {
-    check_flat(*err, "err", at::kFloat, device);
-    TORCH_CHECK_VALUE(err->numel() >= total, "err: ", err->numel(), " elements, expected >= ", total);
-    e = err->data_ptr<float>();
-  }
-  at::Tensor out = piece_sums_tensor(pc, device);
-  if (pc.n == 0) return out;
-  LO_GUARD(device);
-  LO_CALL_DEV(device, onebit_seg_sumsq, exec_for(device), x.data_ptr<float>(), e, pc, out.data_ptr<double>());
-  return out;
-}
-
-// Signs of z = x[off + j] (+ err[pos + j] when add_err) into bit pos + j of packed, and (err given)
-// err[pos + j] <- z - scales[p] sign(z). Bits of positions outside the pieces are left as they are.
-void onebit_seg_compress(const at::Tensor& x, const std::optional<at::Tensor>& err, const at::Tensor& packed,
-                         const at::Tensor& pieces, int64_t total, const at::Tensor& scales, bool add_err) {
-  const at::Device device = x.device();
-  check_flat(x, "x", at::kFloat, device);
-  lo::Pieces pc = pieces_of(pieces, total, device);
-  check_pieces_fit(pieces, x, "x");
-  check_flat(packed, "packed", at::kByte, device);
-  TORCH_CHECK_VALUE(packed.numel() * 8 >= total, "packed: ", packed.numel(), " bytes, expected >= ", total / 8);
-  check_flat(scales, "scales", at::kFloat, device);
-  TORCH_CHECK_VALUE(scales.numel() == pc.n, "scales: ", scales.numel(), " values for ", pc.n, " pieces");
-  TORCH_CHECK_VALUE(err.has_value() || !add_err, "err: needed when add_err");
-  float* e = nullptr;
-  if (err.has_value()) {
-    check_flat(*err, "err", at::kFloat, device);
-    TORCH_CHECK_VALUE(err->numel() >= total, "err: ", err->numel(), " elements, expected >= ", total);
-    e = err->data_ptr<float>();
-  }
-  if (pc.n == 0) return;
-  const lo::Ef mode = e == nullptr ? lo::Ef::None : (add_err ? lo::Ef::Feedback : lo::Ef::Residual);
-  LO_GUARD(device);
-  LO_CALL_DEV(device, onebit_seg_compress, exec_for(device), x.data_ptr<float>(), e, packed.data_ptr<uint8_t>(), pc,
-              scales.data_ptr<float>(), mode);
-}
-
-// out[off + j] <- +scales[p] where bit pos + j is set, -scales[p] elsewhere.
-void onebit_seg_unpack(const at::Tensor& packed, const at::Tensor& pieces, int64_t total, const at::Tensor& scales,
-                       const at::Tensor& out) {
-  const at::Device device = out.device();
-  TORCH_CHECK_VALUE(out.is_contiguous(), "out: must be contiguous");
-  lo::DType type = dtype_of(out, "out");
-  lo::Pieces pc = pieces_of(pieces, total, device);
-  check_pieces_fit(pieces, out, "out");
-  check_flat(packed, "packed", at::kByte, device);
-  TORCH_CHECK_VALUE(packed.numel() * 8 >= total, "packed: ", packed.numel(), " bytes, expected >= ", total / 8);
-  check_flat(scales, "scales", at::kFloat, device);
-  TORCH_CHECK_VALUE(scales.numel() == pc.n, "scales: ", scales.numel(), " values for ", pc.n, " pieces");
-  if (pc.n == 0) return;
-  LO_GUARD(device);
-  LO_CALL_DEV(device, onebit_seg_unpack, exec_for(device), packed.data_ptr<uint8_t>(), pc, scales.data_ptr<float>(),
-              type, out.data_ptr());
-}
-
-// The server's average: rows is uint8 [W, stride] (worker w's signs of this chunk at the start of row w),
-// scales float32 [W, P]; err[pos + j] <- mean_w(+-scales[w, p]) + err[pos + j]; returns sum z^2 per piece.
-at::Tensor onebit_server_mean(const at::Tensor& rows, const at::Tensor& scales, const at::Tensor& err,
-                              const at::Tensor& pieces, int64_t total) {
-  const at::Device device = err.device();
-  check_flat(err, "err", at::kFloat, device);
-  TORCH_CHECK_VALUE(err.numel() >= total, "err: ", err.numel(), " elements, expected >= ", total);
-  lo::Pieces pc = pieces_of(pieces, total, device);
-  check_flat(rows, "rows", at::kByte, device);
-  TORCH_CHECK_VALUE(rows.dim() == 2 && rows.size(0) >= 1 && rows.size(1) * 8 >= total,
-                    "rows: expected uint8 [world, >= ", total / 8, "], got ", rows.sizes());
-  check_flat(scales, "scales", at::kFloat, device);
-  TORCH_CHECK_VALUE(scales.dim() == 2 && scales.size(0) == rows.size(0) && scales.size(1) == pc.n,
-                    "scales: expected [", rows.size(0), ", ", pc.n, "], got ", scales.sizes());
-  at::Tensor out = piece_sums_tensor(pc, device);
-  if (pc.n == 0) return out;
-  LO_GUARD(device);
-  LO_CALL_DEV(device, onebit_server_mean, exec_for(device), rows.data_ptr<uint8_t>(), rows.size(1),
-              static_cast<int>(rows.size(0)), scales.data_ptr<float>(), err.data_ptr<float>(), pc,
-              out.data_ptr<double>());
-  return out;
-}
-
 // Benchmarks: the memory roof of this machine for an in-place 4-read/3-write fp32 pass.
 void cpu_roof(const at::Tensor& a, const at::Tensor& b, const at::Tensor& c, const at::Tensor& d) {
   for (const at::Tensor* t : {&a, &b, &c, &d}) {
@@ -546,18 +291,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("lars", &lars);
   m.def("stable_moments", &stable_moments);
   m.def("stable_apply", &stable_apply);
-  m.def("onebit_compress", &onebit_compress, pybind11::arg("x"), pybind11::arg("err"), pybind11::arg("packed"),
-        pybind11::arg("scale") = pybind11::none(), pybind11::arg("add_err") = true);
-  m.def("onebit_pack", &onebit_pack, pybind11::arg("x"), pybind11::arg("packed"));
-  m.def("onebit_unpack", &onebit_unpack, pybind11::arg("packed"), pybind11::arg("out"), pybind11::arg("scale") = 1.0);
-  m.def("onebit_unpack_table", &onebit_unpack_table, pybind11::arg("packed"), pybind11::arg("table"),
-        pybind11::arg("out"));
-  m.def("onebit_seg_sumsq", &onebit_seg_sumsq, pybind11::arg("x"), pybind11::arg("err"), pybind11::arg("pieces"),
-        pybind11::arg("total"));
-  m.def("onebit_seg_compress", &onebit_seg_compress, pybind11::arg("x"), pybind11::arg("err"), pybind11::arg("packed"),
-        pybind11::arg("pieces"), pybind11::arg("total"), pybind11::arg("scales"), pybind11::arg("add_err"));
-  m.def("onebit_seg_unpack", &onebit_seg_unpack, pybind11::arg("packed"), pybind11::arg("pieces"),
-        pybind11::arg("total"), pybind11::arg("scales"), pybind11::arg("out"));
-  m.def("onebit_server_mean", &onebit_server_mean, pybind11::arg("rows"), pybind11::arg("scales"),
-        pybind11::arg("err"), pybind11::arg("pieces"), pybind11::arg("total"));
+  lo_bind::register_onebit(m);
 }
+

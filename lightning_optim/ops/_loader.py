@@ -57,7 +57,7 @@ def want_cuda() -> bool:
 
 def sources(cuda: bool) -> list[Path]:
     root = csrc_dir()
-    files = [root / "bindings.cpp", *sorted((root / "cpu").glob("*.cpp"))]
+    files = [root / "bindings.cpp", *sorted(root.glob("bindings_*.cpp")), *sorted((root / "cpu").glob("*.cpp"))]
     if cuda:
         files += sorted((root / "cuda").glob("*.cu"))
     return files
