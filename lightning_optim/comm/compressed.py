@@ -80,23 +80,32 @@ def compressed_bytes(numel: int, world_size: int, segments: Sequence[int] | None
 
 
 class _Scratch:
-    """Buffers reused by every call with the same ``(N, W, device)``."""
+    """Buffers reused by every call with the same ``(N, W, #segments, server-scale slots, device)``
+    (fresh buffers on every call would cost page faults on the step's hot path)."""
 
-    def __init__(self, padded: int, world: int, device: torch.device):
-        self.cb = padded // world // 8
-        self.packed = torch.zeros(padded // 8, dtype=torch.uint8, device=device)
+    def __init__(self, plan: CompressionPlan, device: torch.device):
+        world, nseg, slots = plan.world, len(plan.lengths), plan.max_pieces
+        self.cb = cb = plan.chunk // 8
+        self.packed = torch.zeros(plan.padded // 8, dtype=torch.uint8, device=device)
         self.header = torch.empty(_HEADER, dtype=torch.float64, device=device)
         self.headers = torch.empty(_HEADER * world, dtype=torch.float64, device=device)
+        # all_to_all rows: a chunk's signs, then the sending worker's segment scales
+        self.send = torch.empty(world, cb + 4 * nseg, dtype=torch.uint8, device=device)
+        self.recv = torch.empty_like(self.send)
+        # all_gather row: the server's signs, then its piece scales (bytes outside pieces stay 0)
+        self.server_send = torch.zeros(cb + 4 * slots, dtype=torch.uint8, device=device)
+        self.server_scales = torch.zeros(slots, dtype=torch.float32, device=device)
+        self.gathered = torch.empty(world, cb + 4 * slots, dtype=torch.uint8, device=device)
 
 
 _CACHE: "OrderedDict[tuple, _Scratch]" = OrderedDict()
 
 
-def _scratch(padded: int, world: int, device: torch.device) -> _Scratch:
-    key = (padded, world, device)
+def _scratch(plan: CompressionPlan, device: torch.device) -> _Scratch:
+    key = (plan.padded, plan.world, len(plan.lengths), plan.max_pieces, device)
     found = _CACHE.get(key)
     if found is None:
-        found = _CACHE[key] = _Scratch(padded, world, device)
+        found = _CACHE[key] = _Scratch(plan, device)
         while len(_CACHE) > _MAX_CACHED:
             _CACHE.popitem(last=False)
     else:
@@ -154,7 +163,7 @@ def compressed_allreduce(tensor: Tensor, worker_error: Tensor, server_error: Ten
         return tensor
     rank = dist.get_rank(group)
     device = tensor.device
-    s = _scratch(plan.padded, world, device)
+    s = _scratch(plan, device)
     _agree(plan, s, group)
     n = tensor.numel()
     if n == 0:
@@ -170,32 +179,25 @@ def compressed_allreduce(tensor: Tensor, worker_error: Tensor, server_error: Ten
 
     # 2. exchange chunks: rank r receives chunk r of every worker, each followed by that worker's
     # scales (one collective instead of an all_gather of the scales before it)
-    row = cb + 4 * nseg
-    send = torch.empty(world, row, dtype=torch.uint8, device=device)
-    send[:, :cb].copy_(s.packed.view(world, cb))
-    send[:, cb:].copy_(scales.view(torch.uint8).expand(world, 4 * nseg))
-    recv = torch.empty_like(send)
-    collective("all_to_all_single(signs)", dist.all_to_all_single, recv, send, group=group)
-    all_scales = recv[:, cb:].contiguous().view(torch.float32)  # [W, S]
+    s.send[:, :cb].copy_(s.packed.view(world, cb))
+    s.send[:, cb:].copy_(scales.view(torch.uint8).expand(world, 4 * nseg))
+    collective("all_to_all_single(signs)", dist.all_to_all_single, s.recv, s.send, group=group)
+    all_scales = s.recv[:, cb:].contiguous().view(torch.float32)  # [W, S]
 
     # 3. server: average my chunk, add the server error, compress again, one scale per piece
     mine = plan.server[rank].on(device)
     ids = plan.ids_on(rank, device)
     worker_scales = all_scales.index_select(1, ids).contiguous()
-    rows = recv  # worker w's signs of my chunk start row w
-    slots = plan.max_pieces
-    send = torch.zeros(cb + 4 * slots, dtype=torch.uint8, device=device)
-    server_scales = torch.zeros(slots, dtype=torch.float32, device=device)
+    send = s.server_send
     if mine.count:
-        sums = passes.server_mean(rows, worker_scales, server_error, mine)
-        server_scales[: mine.count] = mine.scales(sums)
-        passes.compress(server_error, server_error, send[:cb], server_scales[: mine.count], mine, add_err=False)
-    send[cb:].copy_(server_scales.view(torch.uint8))
+        sums = passes.server_mean(s.recv, worker_scales, server_error, mine)  # row w: worker w's signs
+        s.server_scales[: mine.count] = mine.scales(sums)
+        passes.compress(server_error, server_error, send[:cb], s.server_scales[: mine.count], mine, add_err=False)
+    send[cb:].copy_(s.server_scales.view(torch.uint8))
 
     # 4. everyone gets every server chunk
-    gathered = torch.empty(world * send.numel(), dtype=torch.uint8, device=device)
-    collective("all_gather(server signs)", _all_gather_single, gathered, send, group=group)
-    rows = gathered.view(world, cb + 4 * slots)
+    collective("all_gather(server signs)", _all_gather_single, s.gathered.view(-1), send, group=group)
+    rows = s.gathered
     chunk_scales = rows[:, cb:].contiguous().view(torch.float32)  # [W, slots]
     for w in range(world):
         final = plan.final[w].on(device)
