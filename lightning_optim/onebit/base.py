@@ -286,7 +286,7 @@ class OnebitOptimizer(BaseOptimizer):
         if "kahan_comp" in batch.states[0]:
             for p, v, c in zip(batch.params, values, batch.state("kahan_comp")):
                 c.copy_(v - p.float())
-        batch._params_compute = None
+        batch.mark_params_changed()
 
     def _adam_step(self, group: dict[str, Any], batch: Batch, *, beta1: float, beta2: float, bc1: float,
                    bc2: float) -> None:

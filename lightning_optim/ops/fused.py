@@ -39,7 +39,7 @@ def _decay(decay: float) -> tuple[float, float]:
 
 
 def _params(batch: Any) -> list[Tensor]:
-    batch._params_compute = None  # the params are about to change
+    batch.mark_params_changed()
     return batch.params
 
 

@@ -79,6 +79,10 @@ class Batch:
             self._params_compute = [p.detach().to(self.compute_dtype) for p in self.params]
         return self._params_compute
 
+    def mark_params_changed(self) -> None:
+        """Call before writing the params: drops the cached compute-dtype copies."""
+        self._params_compute = None
+
 
 class BaseOptimizer(torch.optim.Optimizer):
     """Base class: validation, dispatch, Kahan summation, accumulation, dtype-safe reloads.
@@ -318,7 +322,7 @@ class BaseOptimizer(torch.optim.Optimizer):
                 torch._foreach_add_(deltas, torch._foreach_mul(batch.params_compute, [-c for c in decays]))
             else:
                 torch._foreach_mul_(params, [1 - c for c in decays])  # torch's order: decay, then step
-        batch._params_compute = None  # the params are about to change
+        batch.mark_params_changed()
         if kahan:
             comps = batch.state("kahan_comp")
             y = torch._foreach_add([d.float() for d in deltas], [c.float() for c in comps])
