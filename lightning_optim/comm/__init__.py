@@ -9,14 +9,22 @@
 * ``pack_signs`` / ``unpack_signs``: 8 signs per byte (``sign(0) = +1``).
 * ``comm_stats()`` / ``reset_comm_stats()`` / ``CommStats``: bytes put on the wire by this rank.
 * ``SwitchableAllreduceState`` + ``switchable_allreduce_hook``: DDP comm hook with an on/off switch.
-* ``CommunicationError``: a collective failed (a peer died/hung); bounded by the group timeout.
+* ``CommunicationError``: a collective failed (a peer died/hung) or exceeded ``collective_timeout()``
+  (``set_collective_timeout(seconds)``; default 300 s, also when the process group has none).
+* ``gather_rows`` / ``check_process_group``: the bounded agreement check and the group argument check.
 """
 from .compressed import compressed_allreduce, compressed_bytes, error_buffer_sizes, make_error_buffers
 from .dense import allreduce_mean
 from .hooks import SwitchableAllreduceState, register_switchable_allreduce, switchable_allreduce_hook
 from .packing import pack_signs, unpack_signs
 from .stats import CommStats, comm_stats, reset_comm_stats
-from .timeouts import CommunicationError
+from .timeouts import (
+    CommunicationError,
+    check_process_group,
+    collective_timeout,
+    gather_rows,
+    set_collective_timeout,
+)
 
 __all__ = [
     "compressed_allreduce",
@@ -30,6 +38,10 @@ __all__ = [
     "comm_stats",
     "reset_comm_stats",
     "CommunicationError",
+    "check_process_group",
+    "collective_timeout",
+    "gather_rows",
+    "set_collective_timeout",
     "SwitchableAllreduceState",
     "switchable_allreduce_hook",
     "register_switchable_allreduce",

@@ -8,7 +8,7 @@ padded space of ``N`` elements (each segment starts on a multiple of 8, ``N`` a 
 1. worker: ``z = x + worker_error``; per segment ``s``, ``scale_s = ||z_s|| / sqrt(len_s)``; the
    compressed value is ``scale_s * sign(z)`` (``sign(0) = +1``); ``worker_error = z - scale*sign(z)``
    (0 on the padding);
-2. an ``all_gather`` checks that every rank passes the same ``n`` and segments; the signs, packed 8
+2. an ``all_gather`` checks that every rank passes the same ``n``, segments and dtype; the signs, packed 8
    per byte, are cut into ``W`` chunks of ``C`` positions and ``all_to_all`` sends chunk ``r``,
    followed by the worker's segment scales, to rank ``r``;
 3. server (rank ``r`` owns chunk ``r``): ``z_s = mean_w(scale_w * sign_w) + server_error`` on the
@@ -21,7 +21,7 @@ Every rank ends with bit-identical values. The result overwrites ``tensor`` (cas
 ``tensor`` is returned, as DeepSpeed's backends do. With ``W == 1`` the tensor is returned unchanged
 (no compression, error buffers untouched).
 
-Per-rank bytes on the wire: ``(W-1) * (24 + 4 S + C/8 + C/8 + 4 P)`` (``S`` segments, ``P`` the most
+Per-rank bytes on the wire: ``(W-1) * (32 + 4 S + C/8 + C/8 + 4 P)`` (``S`` segments, ``P`` the most
 pieces any chunk holds) against ``2 (W-1)/W * 4n`` for a ring fp32 allreduce, ~32x fewer at ``W = 2``.
 
 The element-wise passes run as compiled kernels (``lightning_optim.ops``; ``comm/pieces.py`` holds
@@ -41,14 +41,14 @@ from . import pieces as passes
 from .dense import world_size as _world_size
 from .plan import CompressionPlan, plan_for
 from .stats import CommStats, comm_stats
-from .timeouts import collective
+from .timeouts import check_process_group, collective, gather_rows
 
 __all__ = ["compressed_allreduce", "error_buffer_sizes", "make_error_buffers", "compressed_bytes"]
 
 _MAX_CACHED = 8
 # torch >= 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_HEADER = 3  # (n, #segments, crc of the segment lengths) as fp64
+_HEADER = 4  # (n, #segments, crc of the segment lengths, dtype code) as int64
 
 
 def error_buffer_sizes(numel: int, world_size: int, segments: Sequence[int] | None = None) -> tuple[int, int]:
@@ -87,8 +87,6 @@ class _Scratch:
         world, nseg, slots = plan.world, len(plan.lengths), plan.max_pieces
         self.cb = cb = plan.chunk // 8
         self.packed = torch.zeros(plan.padded // 8, dtype=torch.uint8, device=device)
-        self.header = torch.empty(_HEADER, dtype=torch.float64, device=device)
-        self.headers = torch.empty(_HEADER * world, dtype=torch.float64, device=device)
         # all_to_all rows: a chunk's signs, then the sending worker's segment scales
         self.send = torch.empty(world, cb + 4 * nseg, dtype=torch.uint8, device=device)
         self.recv = torch.empty_like(self.send)
@@ -126,17 +124,29 @@ def _check(tensor, worker_error, server_error, plan: CompressionPlan) -> None:
             )
 
 
-def _agree(plan: CompressionPlan, s: _Scratch, group) -> None:
-    """Every rank must reduce the same tensor in the same segments: checked before any data moves."""
-    s.header.copy_(torch.tensor(plan.signature, dtype=torch.float64))
-    collective("all_gather(sizes)", _all_gather_single, s.headers, s.header, group=group)
-    rows = [tuple(int(v) for v in row) for row in s.headers.view(plan.world, _HEADER).tolist()]
+_DTYPE_CODES = {torch.float32: 0, torch.float64: 1, torch.bfloat16: 2, torch.float16: 3}
+
+
+def _agree(plan: CompressionPlan, dtype: torch.dtype, device: torch.device, group) -> None:
+    """Every rank must reduce the same tensor (size, segments, dtype): checked in one bounded
+    all_gather before any data moves, and refused with the same figures on every rank."""
+    code = _DTYPE_CODES.get(dtype, 9)
+    on = device if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    rows = gather_rows("all_gather(sizes)", (*plan.signature, code), group=group, device=on)
     if len(set(rows)) > 1:
-        numels = [row[0] for row in rows]
-        what = "tensors of different sizes" if len(set(numels)) > 1 else "different segments"
+        numels, nsegs = [r[0] for r in rows], [r[1] for r in rows]
+        names = {v: str(k).replace("torch.", "") for k, v in _DTYPE_CODES.items()}
+        dtypes = [names.get(r[3], "other") for r in rows]
+        if len(set(numels)) > 1:
+            what = "tensors of different sizes"
+        elif len({r[1:3] for r in rows}) > 1:
+            what = "different segments"
+        else:
+            what = "tensors of different dtypes"
         raise ValueError(
-            f"compressed_allreduce: ranks passed {what} (numel by rank: {numels}, segments by rank: "
-            f"{[row[1] for row in rows]}); every rank must reduce the same tensor shapes in the same order"
+            f"compressed_allreduce: ranks passed {what} (numel by rank: {numels}, segments by rank: {nsegs}, "
+            f"dtype by rank: {dtypes}); every rank must reduce the same tensor shapes, dtypes and segments "
+            "in the same order"
         )
 
 
@@ -156,6 +166,7 @@ def compressed_allreduce(tensor: Tensor, worker_error: Tensor, server_error: Ten
     if not isinstance(tensor, Tensor) or not tensor.is_floating_point():
         raise TypeError(f"compressed_allreduce: tensor must be a floating-point Tensor, got "
                         f"{getattr(tensor, 'dtype', type(tensor))}")
+    check_process_group("group", group)
     world = _world_size(group)
     plan = plan_for(tensor.numel(), world, segments)
     _check(tensor, worker_error, server_error, plan)
@@ -164,7 +175,7 @@ def compressed_allreduce(tensor: Tensor, worker_error: Tensor, server_error: Ten
     rank = dist.get_rank(group)
     device = tensor.device
     s = _scratch(plan, device)
-    _agree(plan, s, group)
+    _agree(plan, tensor.dtype, device, group)
     n = tensor.numel()
     if n == 0:
         return tensor

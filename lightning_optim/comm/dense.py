@@ -6,7 +6,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .stats import CommStats, comm_stats
-from .timeouts import collective
+from .timeouts import check_process_group, collective
 
 __all__ = ["allreduce_mean", "world_size"]
 
@@ -30,6 +30,7 @@ def allreduce_mean(tensor: Tensor, group=None, stats: CommStats | None = None) -
     bf16 allreduce; fp32 also avoids low-precision summation), then is cast back. World size 1 is a
     no-op. Bytes are added to ``stats`` (default: ``comm_stats()``) by the ring rule, see ``stats``.
     """
+    check_process_group("group", group)
     if not tensor.is_floating_point():
         raise TypeError(f"allreduce_mean: tensor must be floating point, got {tensor.dtype}")
     w = world_size(group)

@@ -1,31 +1,102 @@
-"""Bounded failure of collectives: a dead peer becomes a ``CommunicationError``, not a hang.
+"""Bounded collectives: every collective the project issues completes or raises
+``CommunicationError`` within ``collective_timeout()`` seconds.
 
-The bound itself is the process group's timeout (``init_process_group(timeout=...)``; gloo honours
-it for every collective). A peer that dies usually closes its sockets, so gloo fails at once with
-"connection closed"; a peer that hangs or never arrives makes the collective fail when the timeout
-expires. Either way the backend raises a ``RuntimeError`` (``DistBackendError``); ``collective``
-re-raises it as ``CommunicationError`` naming the collective, the elapsed time and the likely cause.
+The bound is ours, not the process group's: a group created without ``timeout=`` waits 30 minutes
+(torch's default) for a peer that never arrives. ``collective`` therefore issues the collective with
+``async_op=True`` and waits on the work object with the bound (gloo and NCCL both honour
+``Work.wait(timeout)``). A peer that dies usually closes its sockets and the backend fails at once;
+a peer that hangs or never calls makes the wait expire. Either way ``CommunicationError`` names the
+collective, the elapsed time and the bound. After a timeout the group is unusable (the late peer may
+still arrive): stop the job, as the Lightning strategies do.
 
-Sub-groups carry their own timeout: ``dist.new_group(ranks)`` without ``timeout=`` was observed
-(torch 2.13, gloo) to get the 30-minute default, not the default group's value; pass it explicitly.
+The bound: ``set_collective_timeout(seconds)``; default ``DEFAULT_COLLECTIVE_TIMEOUT_S``, or the
+environment variable ``LIGHTNING_OPTIM_COLLECTIVE_TIMEOUT`` (seconds) when set. The Lightning
+strategies set it from their ``timeout`` argument.
+
+Limit: the DDP comm hook's bucket allreduce is waited on by DDP itself, inside backward; it is
+bounded by the process group's timeout (the strategies create their group with their ``timeout``).
 """
 from __future__ import annotations
 
+import math
+import os
 import time
+from collections.abc import Callable, Sequence
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["CommunicationError", "collective", "group_timeout"]
+__all__ = [
+    "CommunicationError",
+    "DEFAULT_COLLECTIVE_TIMEOUT_S",
+    "ENV_TIMEOUT",
+    "check_process_group",
+    "collective",
+    "collective_timeout",
+    "gather_rows",
+    "group_timeout",
+    "set_collective_timeout",
+]
+
+DEFAULT_COLLECTIVE_TIMEOUT_S = 300.0
+ENV_TIMEOUT = "LIGHTNING_OPTIM_COLLECTIVE_TIMEOUT"
+_timeout_s: float | None = None  # set_collective_timeout; None: environment or default
 
 
 class CommunicationError(RuntimeError):
-    """A collective failed (a peer rank died, hung, or the network broke)."""
+    """A collective failed or exceeded ``collective_timeout()`` (a peer died, hung, or the network broke)."""
+
+
+def _seconds(value: object, name: str) -> float:
+    if isinstance(value, timedelta):
+        seconds = value.total_seconds()
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        seconds = float(value)
+    elif hasattr(value, "item") and getattr(value, "ndim", None) == 0:  # numpy scalars
+        seconds = float(value.item())
+    else:
+        raise TypeError(f"{name} must be a number of seconds or a datetime.timedelta, got {value!r}")
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise ValueError(f"{name} must be a finite number of seconds in (0, inf), got {seconds}")
+    return seconds
+
+
+def set_collective_timeout(seconds: float | timedelta) -> None:
+    """Bound every collective of lightning-optim to ``seconds`` (> 0; a float or a timedelta)."""
+    global _timeout_s
+    _timeout_s = _seconds(seconds, "seconds")
+
+
+def collective_timeout() -> float:
+    """The current bound in seconds (``set_collective_timeout``, else the environment, else 300)."""
+    if _timeout_s is not None:
+        return _timeout_s
+    raw = os.environ.get(ENV_TIMEOUT, "").strip()
+    if raw:
+        try:
+            return _seconds(float(raw), ENV_TIMEOUT)
+        except ValueError as exc:
+            raise ValueError(f"{ENV_TIMEOUT}={raw!r}: {exc}") from None
+    return DEFAULT_COLLECTIVE_TIMEOUT_S
+
+
+def check_process_group(name: str, value: Any) -> Any:
+    """``value`` must be None (the default group) or a ``torch.distributed.ProcessGroup``."""
+    if value is None:
+        return None
+    process_group = getattr(dist, "ProcessGroup", None)
+    if process_group is None or not isinstance(value, process_group):
+        raise TypeError(
+            f"{name} must be None (the default process group) or a torch.distributed.ProcessGroup "
+            f"(e.g. from dist.new_group), got {type(value).__name__} ({value!r})"
+        )
+    return value
 
 
 def group_timeout(group=None) -> float | None:
-    """The process group's collective timeout in seconds, when torch exposes it."""
+    """The process group's own collective timeout in seconds, when torch exposes it."""
     try:
         pg = group if group is not None else dist.distributed_c10d._get_default_group()
         value = pg._get_backend(torch.device("cpu")).options._timeout
@@ -34,19 +105,47 @@ def group_timeout(group=None) -> float | None:
     return value.total_seconds() if isinstance(value, timedelta) else None
 
 
-def collective(name: str, fn, *args, group=None, **kwargs):
-    """Call ``fn(*args, group=group, **kwargs)`` (a blocking collective); wrap any backend failure."""
+def _rank(group) -> str:
+    try:
+        return str(dist.get_rank(group))
+    except Exception:  # noqa: BLE001 - only for the message
+        return "?"
+
+
+def collective(name: str, fn: Callable[..., Any], *args: Any, group=None, **kwargs: Any) -> None:
+    """Run the torch.distributed collective ``fn(*args, group=group, **kwargs)`` to completion within
+    ``collective_timeout()``; any backend failure or the bound becomes ``CommunicationError``."""
+    bound = collective_timeout()
     start = time.monotonic()
     try:
-        return fn(*args, group=group, **kwargs)
+        work = fn(*args, group=group, async_op=True, **kwargs)
+        if work is not None:
+            work.wait(timeout=timedelta(seconds=bound))
     except RuntimeError as exc:
         if isinstance(exc, CommunicationError):
             raise
         elapsed = time.monotonic() - start
-        limit = group_timeout(group)
-        limit_text = f" (process-group timeout {limit:.0f}s)" if limit is not None else ""
+        if elapsed >= bound * 0.99:
+            what = f"did not complete within the bound of {bound:.0f}s"
+        else:
+            own = group_timeout(group)
+            what = f"failed after {elapsed:.1f}s" + (f" (process-group timeout {own:.0f}s)" if own is not None else "")
         raise CommunicationError(
-            f"{name} failed after {elapsed:.1f}s{limit_text} on rank "
-            f"{dist.get_rank(group) if dist.is_initialized() else '?'}: another rank may have died, "
-            f"hung or left the job, or the network failed. Backend error: {exc}"
+            f"{name} {what} on rank {_rank(group)} (lightning_optim.comm.set_collective_timeout sets the bound): "
+            f"another rank may have died, hung, skipped this collective or left the job, or the network failed. "
+            f"Backend error: {exc}"
         ) from exc
+
+
+def gather_rows(name: str, values: Sequence[int], group=None, device: torch.device | None = None) -> list[tuple[int, ...]]:
+    """Every rank's ``values`` (equal lengths, int64), gathered in one bounded collective.
+
+    The building block of the agreement checks (sizes, layouts, dtypes): each rank sees the same
+    rows and can report the same, real figures. ``device`` must be the group's (CUDA for NCCL).
+    """
+    world = dist.get_world_size(group)
+    mine = torch.tensor(list(values), dtype=torch.int64, device=device or torch.device("cpu"))
+    out = torch.empty(world * mine.numel(), dtype=torch.int64, device=mine.device)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    collective(name, gather, out, mine, group=group)
+    return [tuple(int(v) for v in row) for row in out.view(world, -1).tolist()]

@@ -39,7 +39,10 @@ def test_matches_simulation_on_every_rank(comm_spawn, world):
                 for r in range(1, world):  # bit-identical on every rank
                     assert torch.equal(per_rank[r][key]["outs"][call], got), (key, call, r)
                 if dtype == torch.float32:
-                    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+                    # the scales are fp32 norms summed in another order (SIMD lanes vs torch; the
+                    # lane count depends on the CPU) and error feedback carries the difference on:
+                    # up to ~1e-5 after a few calls, far below any algorithmic error (~ the scale)
+                    torch.testing.assert_close(got, expected, rtol=1e-4, atol=5e-5)
                 else:
                     torch.testing.assert_close(got, expected.to(dtype), rtol=1e-2, atol=1e-6)
                 sum_out += got.float()
@@ -48,9 +51,9 @@ def test_matches_simulation_on_every_rank(comm_spawn, world):
             # error buffers match the simulation's, per rank
             for r in range(world):
                 torch.testing.assert_close(per_rank[r][key]["worker_error"], ref.worker_error[r],
-                                           rtol=1e-5, atol=1e-5)
+                                           rtol=1e-4, atol=5e-5)
                 torch.testing.assert_close(per_rank[r][key]["server_error"], ref.server_error[r],
-                                           rtol=1e-5, atol=1e-5)
+                                           rtol=1e-4, atol=5e-5)
             # error feedback: sum(out) - sum(avg) = -(mean worker error + server error), bounded
             drift = (sum_out - sum_avg).norm().item()
             drift_plain = (sum_plain - sum_avg).norm().item()
@@ -172,15 +175,15 @@ def test_error_buffer_validation():
 
 def test_byte_counting_rule():
     # n = 1000, W = 2: N = 1008, C = 504 -> 63 packed bytes per chunk
-    # all_gather(numel, #segments, crc as fp64) 24 + all_gather(scale) 4 + all_to_all 63
+    # all_gather(numel, #segments, crc, dtype as int64) 32 + all_gather(scale) 4 + all_to_all 63
     # + all_gather(63 signs + one 4-byte server scale) 67
-    assert compressed_bytes(1000, 2) == 24 + 4 + 63 + 67
+    assert compressed_bytes(1000, 2) == 32 + 4 + 63 + 67
     assert ring_allreduce_bytes(1000, 2) == 4000
     # W = 4, n = 1000: N = 1024, C = 256 -> 32 bytes; each part goes to 3 peers
-    assert compressed_bytes(1000, 4) == 3 * (24 + 4 + 32 + 36)
+    assert compressed_bytes(1000, 4) == 3 * (32 + 4 + 32 + 36)
     # 3 segments (600, 5, 395) on 2 ranks at positions 0, 600, 608: N = 1008, C = 504; chunk 0 is
     # a piece of segment 0, chunk 1 holds the rest of it and segments 1, 2 -> 3 server-scale slots
-    assert compressed_bytes(1000, 2, [600, 5, 395]) == 24 + 12 + 63 + 63 + 12
+    assert compressed_bytes(1000, 2, [600, 5, 395]) == 32 + 12 + 63 + 63 + 12
     assert ring_allreduce_bytes(1000, 4) == 6000
     n = 25_000_000
     assert ring_allreduce_bytes(n, 2) / compressed_bytes(n, 2) >= 30
@@ -188,6 +191,6 @@ def test_byte_counting_rule():
     s = CommStats()
     s.add_compressed(compressed_bytes(1000, 2), 1000, 2)
     s.add_full_precision(1000, 2, 4)
-    assert (s.bytes_sent, s.fp32_equivalent_bytes) == (158 + 4000, 8000)
-    delta = s - CommStats(bytes_sent=158, fp32_equivalent_bytes=4000, compressed_calls=1)
+    assert (s.bytes_sent, s.fp32_equivalent_bytes) == (166 + 4000, 8000)
+    delta = s - CommStats(bytes_sent=166, fp32_equivalent_bytes=4000, compressed_calls=1)
     assert delta.as_dict()["full_precision_calls"] == 1 and delta.compression_ratio == 1.0

@@ -1,0 +1,126 @@
+"""Probe: every collective entry point is bounded by ``collective_timeout()`` even when the process
+group has torch's 30-minute default, and ranks that disagree are refused identically everywhere.
+
+Real gloo ranks. Rank 1 creates every sub-group (a collective act) and then never calls; rank 0
+calls each entry point on its own sub-group with the bound at 3 s.
+"""
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightning_optim.comm import (
+    CommunicationError,
+    allreduce_mean,
+    check_process_group,
+    collective_timeout,
+    compressed_allreduce,
+    gather_rows,
+    make_error_buffers,
+    set_collective_timeout,
+)
+from tests.distributed import run_workers
+
+BOUND_S = 3.0
+SLOW = timedelta(minutes=30)  # torch's default: what a user who passes no timeout gets
+
+
+def _entry_points(group):
+    x = torch.randn(100)
+    worker, server = make_error_buffers(x, group)
+    return {
+        "all_gather(sizes)": lambda: compressed_allreduce(x, worker, server, group=group),
+        "all_reduce": lambda: allreduce_mean(torch.ones(10), group=group),
+        "all_gather(probe)": lambda: gather_rows("all_gather(probe)", [1, 2, 3], group=group),
+    }
+
+
+def _one_rank_never_calls(rank, world):
+    groups = [dist.new_group([0, 1], timeout=SLOW) for _ in range(3)]
+    if rank == 1:
+        time.sleep(3 * BOUND_S + 12)  # alive, never joins
+        return None
+    set_collective_timeout(BOUND_S)
+    report = {}
+    names = list(_entry_points(None))
+    for name, group in zip(names, groups):
+        call = _entry_points(group)[name]
+        start = time.monotonic()
+        try:
+            call()
+            report[name] = ("no error", time.monotonic() - start)
+        except CommunicationError as exc:
+            report[name] = (str(exc), time.monotonic() - start)
+        except Exception as exc:  # noqa: BLE001 - reported by the test
+            report[name] = (f"wrong type {type(exc).__name__}: {exc}", time.monotonic() - start)
+    return report
+
+
+def test_every_entry_point_is_bounded_without_a_group_timeout():
+    out = run_workers(2, _one_rank_never_calls, timeout=120, pg_timeout=SLOW.total_seconds())
+    report = out[0]
+    assert set(report) == {"all_gather(sizes)", "all_reduce", "all_gather(probe)"}
+    for name, (message, elapsed) in report.items():
+        assert not message.startswith(("no error", "wrong type")), (name, message)
+        assert message.startswith(name) and "bound of 3s" in message, message
+        assert "set_collective_timeout" in message
+        assert BOUND_S - 0.5 < elapsed < BOUND_S + 25, (name, elapsed)
+
+
+def _mismatch(rank, world, field):
+    n, segments, dtype = 64, [30, 34], torch.float32
+    if rank == world - 1:
+        if field == "numel":
+            n, segments = 72, [30, 42]
+        elif field == "segment count":
+            segments = [30, 20, 14]
+        elif field == "segment lengths":
+            segments = [34, 30]
+        elif field == "dtype":
+            dtype = torch.bfloat16
+    x = torch.arange(n, dtype=torch.float32).to(dtype)
+    worker, server = make_error_buffers(x, None, segments)
+    before = (x.clone(), worker.clone(), server.clone())
+    try:
+        compressed_allreduce(x, worker, server, segments=segments)
+        return "no error"
+    except ValueError as exc:
+        unchanged = all(torch.equal(a, b) for a, b in zip(before, (x, worker, server)))
+        return str(exc), unchanged
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("field", ["numel", "segment count", "segment lengths", "dtype"])
+def test_ranks_that_disagree_are_refused_identically(world, field):
+    out = run_workers(world, _mismatch, field, timeout=90)
+    assert all(o != "no error" for o in out), out
+    messages = {o[0] for o in out}
+    assert len(messages) == 1, messages  # the same words, with the same figures, on every rank
+    assert all(o[1] for o in out)  # nothing changed before the refusal
+    message = messages.pop()
+    if field == "numel":
+        assert f"numel by rank: {[64] * (world - 1) + [72]}" in message
+    elif field == "dtype":
+        assert f"dtype by rank: {['float32'] * (world - 1) + ['bfloat16']}" in message
+    else:
+        assert "different segments" in message
+
+
+def test_timeout_and_group_arguments_are_checked():
+    before = collective_timeout()
+    for bad in (0, -1.0, float("nan"), float("inf"), timedelta(0)):
+        with pytest.raises(ValueError, match=r"seconds.*\(0, inf\)"):
+            set_collective_timeout(bad)
+    for bad in ("10", None, True):
+        with pytest.raises(TypeError, match="seconds"):
+            set_collective_timeout(bad)
+    assert collective_timeout() == before  # a refused value changes nothing
+    for bad in ("x", 3, object()):
+        with pytest.raises(TypeError, match=r"process_group must be None.*ProcessGroup"):
+            check_process_group("process_group", bad)
+    with pytest.raises(TypeError, match="group must be None"):
+        allreduce_mean(torch.ones(3), group="x")
