@@ -132,7 +132,8 @@ def _agree(plan: CompressionPlan, dtype: torch.dtype, device: torch.device, grou
     all_gather before any data moves, and refused with the same figures on every rank."""
     code = _DTYPE_CODES.get(dtype, 9)
     on = device if dist.get_backend(group) == "nccl" else torch.device("cpu")
-    rows = gather_rows("all_gather(sizes)", (*plan.signature, code), group=group, device=on)
+    # its bytes are part of compressed_bytes(), counted with the call
+    rows = gather_rows("all_gather(sizes)", (*plan.signature, code), group=group, device=on, stats=CommStats())
     if len(set(rows)) > 1:
         numels, nsegs = [r[0] for r in rows], [r[1] for r in rows]
         names = {v: str(k).replace("torch.", "") for k, v in _DTYPE_CODES.items()}

@@ -35,6 +35,7 @@ class CommStats:
     fp32_equivalent_bytes: int = 0
     compressed_calls: int = 0
     full_precision_calls: int = 0
+    control_calls: int = 0  # small agreement checks (sizes, layouts): bytes sent, no fp32 equivalent
 
     def add_compressed(self, bytes_sent: int, numel: int, world_size: int) -> None:
         self.bytes_sent += int(bytes_sent)
@@ -45,6 +46,10 @@ class CommStats:
         self.bytes_sent += ring_allreduce_bytes(numel, world_size, element_size)
         self.fp32_equivalent_bytes += ring_allreduce_bytes(numel, world_size)
         self.full_precision_calls += 1
+
+    def add_control(self, bytes_sent: int) -> None:
+        self.bytes_sent += int(bytes_sent)
+        self.control_calls += 1
 
     @property
     def compression_ratio(self) -> float:

@@ -137,8 +137,10 @@ def collective(name: str, fn: Callable[..., Any], *args: Any, group=None, **kwar
         ) from exc
 
 
-def gather_rows(name: str, values: Sequence[int], group=None, device: torch.device | None = None) -> list[tuple[int, ...]]:
+def gather_rows(name: str, values: Sequence[int], group=None, device: torch.device | None = None,
+                stats=None) -> list[tuple[int, ...]]:
     """Every rank's ``values`` (equal lengths, int64), gathered in one bounded collective.
+    The bytes this rank sends, ``(W - 1) * 8 * len(values)``, go to ``stats`` (default ``comm_stats()``).
 
     The building block of the agreement checks (sizes, layouts, dtypes): each rank sees the same
     rows and can report the same, real figures. ``device`` must be the group's (CUDA for NCCL).
@@ -148,4 +150,7 @@ def gather_rows(name: str, values: Sequence[int], group=None, device: torch.devi
     out = torch.empty(world * mine.numel(), dtype=torch.int64, device=mine.device)
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     collective(name, gather, out, mine, group=group)
+    from .stats import comm_stats  # stats imports nothing from here; keep the import graph flat
+
+    (stats if stats is not None else comm_stats()).add_control((world - 1) * 8 * mine.numel())
     return [tuple(int(v) for v in row) for row in out.view(world, -1).tolist()]

@@ -3,10 +3,10 @@ Convergence Speed", arXiv 2102.02888), after DeepSpeed's ``onebit/adam.py``."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from lightning_optim.onebit.base import OnebitOptimizer
-from lightning_optim.onebit.layout import Layout, check_step_count
+from lightning_optim.onebit.layout import VARIANCE_FIRST, Layout, check_step_count
 from lightning_optim.optim.adam import adam_first_moment_
 from lightning_optim.optim.base import ParamsT
 from lightning_optim.optim.validation import check_flag
@@ -104,10 +104,11 @@ class OnebitAdam(OnebitOptimizer):
         process_group: ProcessGroup | None = None,
         average_grads: bool = True,
         kahan_sum: bool | None = None,
+        auto_mask: bool = True,
     ) -> None:
         if check_flag("amsgrad", amsgrad):
             raise ValueError("amsgrad: 1-bit Adam does not support the AMSGrad variant; leave amsgrad=False")
-        self.freeze_step = check_step_count("freeze_step", freeze_step)
+        self.freeze_step = check_step_count("freeze_step", freeze_step, 1, why=VARIANCE_FIRST)
         defaults = dict(
             lr=lr,
             bias_correction=bias_correction,
@@ -125,7 +126,23 @@ class OnebitAdam(OnebitOptimizer):
             average_grads=average_grads,
             cuda_aware=cuda_aware,
             comm_backend_name=comm_backend_name,
+            auto_mask=auto_mask,
         )
+
+    def _initial_schedule(self) -> dict[str, Any]:
+        return {"step": 0, "variance_steps": 0}
+
+    def _variance_freeze_step(self) -> int:
+        return self.freeze_step
+
+    def _schedule_after_plain_steps(self, step: int) -> dict[str, Any]:
+        return {"step": step, "variance_steps": step}
+
+    def _schedule_keys_added_since(self, schedule: dict[str, Any]) -> dict[str, Any]:
+        return {"variance_steps": min(schedule["step"], self.freeze_step)}
+
+    def _variance_version(self) -> int:
+        return self._sched["variance_steps"]
 
     @property
     def in_compression_stage(self) -> bool:
@@ -138,20 +155,23 @@ class OnebitAdam(OnebitOptimizer):
     def _onebit_step(self, layout: Layout, t: int) -> None:
         grad_flat, _ = self._scratch(layout, "grad")
         warmup = t <= self.freeze_step
-        if warmup and self.average_grads:
-            self._average_(grad_flat)
-        if not warmup:
+        if warmup:
+            if self.average_grads:
+                self._average_(grad_flat)
+            self._sched["variance_steps"] += 1
+        else:
             for _, group, batch in self._batches(layout, t):
                 adam_first_moment_(batch.state("exp_avg"), batch.grads, group["betas"][0])
             self._compress_(self._flat("exp_avg"))
             self._mask_(layout, self._flat_views["exp_avg"])
+            self._auto_mask_(layout, self._flat("exp_avg"))
         # warmup: Adam on the averaged grads; compression: the final m (as "grads", beta1 = 0), v frozen
         grads = None if warmup else self._flat_views["exp_avg"]
         for _, group, batch in self._batches(layout, t, grads=grads):
             beta1, beta2 = group["betas"]
             bc1 = bc2 = 1.0
             if group["bias_correction"]:
-                variance_steps = min(t, self.freeze_step)
+                variance_steps = self._sched["variance_steps"]
                 bc1 = 1 - beta1**t
                 bc2 = 1 - beta2**variance_steps if variance_steps else 1.0
             if warmup:

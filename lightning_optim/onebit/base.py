@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import warnings
+import zlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -21,10 +22,18 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_optim import ops
-from lightning_optim.comm import allreduce_mean, compressed_allreduce, error_buffer_sizes, make_error_buffers
+from lightning_optim.comm import (
+    allreduce_mean,
+    check_process_group,
+    compressed_allreduce,
+    error_buffer_sizes,
+    gather_rows,
+    make_error_buffers,
+)
 from lightning_optim.onebit.layout import Layout
+from lightning_optim.onebit.resume import plain_to_onebit
 from lightning_optim.optim.adam import adam_deltas, adam_first_moment_, adam_second_moment_
-from lightning_optim.optim.base import BaseOptimizer, Batch, ParamsT, _check_grad
+from lightning_optim.optim.base import BaseOptimizer, Batch, ParamsT
 from lightning_optim.optim.validation import check_betas, check_flag, check_non_negative, check_positive
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -55,9 +64,11 @@ class OnebitOptimizer(BaseOptimizer):
         average_grads: bool,
         cuda_aware: bool,
         comm_backend_name: str,
+        auto_mask: bool = True,
     ) -> None:
         self.average_grads = check_flag("average_grads", average_grads)
-        self.process_group = process_group
+        self.auto_mask = check_flag("auto_mask", auto_mask)
+        self.process_group = check_process_group("process_group", process_group)
         self._check_compat(cuda_aware, comm_backend_name, defaults.get("max_grad_norm", 0.0))
         self._sched: dict[str, Any] = self._initial_schedule()
         self._layout: Layout | None = None
@@ -114,6 +125,15 @@ class OnebitOptimizer(BaseOptimizer):
                         f"exp_avg_mask: shape {tuple(mask.shape)} does not broadcast to the param shape {tuple(p.shape)}"
                     )
 
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if getattr(self, "_sched", None) is not None and self._variance_frozen():
+            raise ValueError(
+                f"add_param_group: {type(self).__name__} froze its variance at step {self._variance_freeze_step()}; "
+                "params added later would have no variance estimate for the compression stage. Add every param "
+                "before that step (or build a new optimizer from this one's state)"
+            )
+        super().add_param_group(param_group)
+
     def _accumulation_blocker(self) -> str | None:
         return "1-bit optimizers communicate in every step; accumulate gradients instead"
 
@@ -154,13 +174,15 @@ class OnebitOptimizer(BaseOptimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        trained = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
+        for p in trained:  # all checks before any state exists or changes
+            g = p.grad
+            if g is not None and g.is_sparse:
+                raise ValueError(f"grad: {type(self).__name__} does not support sparse gradients")
+        t = self._sched["step"] + 1
         layout = self._prepare_layout()
+        self._agree(layout, t)
         grads = [p.grad for p in layout.params]
-        for p, g in zip(layout.params, grads):  # all checks before any state changes
-            if g is not None:
-                if g.is_sparse:
-                    raise ValueError(f"grad: {type(self).__name__} does not support sparse gradients")
-                _check_grad(p)
         self._drop_foreign_errors()
         flat, views = self._scratch(layout, "grad")
         present = [i for i, g in enumerate(grads) if g is not None]
@@ -170,7 +192,6 @@ class OnebitOptimizer(BaseOptimizer):
             for i, g in enumerate(grads):
                 if g is None:
                     views[i].zero_()
-        t = self._sched["step"] + 1
         if layout.params:
             self._onebit_step(layout, t)
         self._sched["step"] = t
@@ -183,16 +204,22 @@ class OnebitOptimizer(BaseOptimizer):
             self._relink(current)
             return current
         layout = Layout(self.param_groups)
-        self._check_same_params_on_every_rank(layout)
+        if self._variance_frozen():
+            fresh = sum(1 for p in layout.params if "exp_avg_sq" not in self.state[p])
+            if fresh:
+                raise ValueError(
+                    f"params: {fresh} of {len(layout.params)} trained params have no variance estimate, but "
+                    f"{type(self).__name__} froze its variance at step {self._variance_freeze_step()} (params added "
+                    "or set to requires_grad=True after it); train them from the start, or build a new optimizer"
+                )
         self._flats = {}
         buckets: dict[tuple, list[int]] = {}
         for i, (p, gi) in enumerate(zip(layout.params, layout.group_of)):
             group = self.param_groups[gi]
             state = self.state[p]
-            if not state:
-                self._init_param_state(group, p, state)
-                if self._uses_kahan(group, p):
-                    state["kahan_comp"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            self._init_param_state(group, p, state)  # adds only what is missing (a plain Adam state has no scalars)
+            if "kahan_comp" not in state and self._uses_kahan(group, p):
+                state["kahan_comp"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             buckets.setdefault((gi, p.dtype, "kahan_comp" in state), []).append(i)
         layout.buckets = [(bucket[0], idx) for bucket, idx in buckets.items()]
         self._layout = layout
@@ -203,20 +230,25 @@ class OnebitOptimizer(BaseOptimizer):
                 self._flat(name)  # made in a later stage; a checkpoint brought it back
         return layout
 
-    def _check_same_params_on_every_rank(self, layout: Layout) -> None:
+    def _agree(self, layout: Layout, t: int) -> None:
+        """Every rank steps the same params (count, elements, shapes, dtypes) at the same step: one
+        bounded all_gather of 40 bytes per step, before any data moves, so a rank whose param set
+        changed is reported with the real figures on every rank instead of pairing its collectives
+        with another rank's."""
         world, _ = self._world()
         if world == 1:
             return
         device = layout.device if dist.get_backend(self.process_group) == "nccl" else torch.device("cpu")
-        mine = torch.tensor(layout.signature(), dtype=torch.int64, device=device)
-        rows = [torch.empty_like(mine) for _ in range(world)]
-        dist.all_gather(rows, mine, group=self.process_group)
-        rows = [tuple(r.tolist()) for r in rows]
+        dtypes = zlib.crc32(repr([str(p.dtype) for p in layout.params]).encode())
+        rows = gather_rows("all_gather(layout)", (*layout.signature(), dtypes, t), group=self.process_group,
+                           device=device)
         if len(set(rows)) > 1:
-            detail = ", ".join(f"rank {r}: {n} params / {numel} elements" for r, (n, numel, _) in enumerate(rows))
+            detail = ", ".join(f"rank {r}: {n} params / {numel} elements at step {step}"
+                               for r, (n, numel, _, _, step) in enumerate(rows))
+            differ = [what for i, what in ((2, "shapes"), (3, "dtypes")) if len({row[i] for row in rows}) > 1]
             raise ValueError(
-                f"params: {type(self).__name__} needs the same trainable param shapes, in the same order, on "
-                f"every rank ({detail}; shape lists {'equal' if len({r[2] for r in rows}) == 1 else 'differ'})"
+                f"params: {type(self).__name__} needs the same trainable params (shapes, dtypes, order) on every "
+                f"rank, stepping together ({detail}; {' and '.join(differ) or 'no shape or dtype'} differ)"
             )
 
     # ------------------------------------------------------------------ flat buffers
@@ -318,6 +350,26 @@ class OnebitOptimizer(BaseOptimizer):
                     mask = group["exp_avg_mask"] = mask.to(layout.device)
                 views[i].mul_(mask)
 
+    def _zero_mask(self, layout: Layout) -> Tensor | None:
+        """1 where the variance is nonzero, 0 where every (averaged) gradient so far was exactly 0
+        (``v = 0``): the elements that must not move on compressed (+-scale) noise. None when
+        ``auto_mask`` is off or no element is all-zero. Cached per variance version."""
+        if not self.auto_mask:
+            return None
+        version = (id(self._flats.get("exp_avg_sq")), self._variance_version())
+        cached = layout.scratch.get("zero_mask")
+        if cached is None or cached[0] != version:
+            variance = self._flat("exp_avg_sq")
+            mask = None if bool(variance.ne(0).all()) else variance.ne(0).to(torch.float32)
+            cached = layout.scratch["zero_mask"] = (version, mask)
+        return cached[1]
+
+    def _auto_mask_(self, layout: Layout, flat: Tensor) -> None:
+        """``flat *= zero mask`` (see :meth:`_zero_mask`), after every compressed allreduce."""
+        mask = self._zero_mask(layout)
+        if mask is not None:
+            flat.mul_(mask)
+
     # ------------------------------------------------------------------ communication
     def _world(self) -> tuple[int, int]:
         if dist.is_available() and dist.is_initialized():
@@ -396,11 +448,14 @@ class OnebitOptimizer(BaseOptimizer):
         """Load a dict from :meth:`state_dict`; the current ``exp_avg_mask`` of each group is kept
         (as DeepSpeed does: masks change with the training phase, e.g. the sequence length)."""
         onebit = state_dict.get("onebit")
+        if onebit is None:  # a full-precision Adam/AdamW/LAMB: start 1-bit from a running job
+            state_dict = plain_to_onebit(self, state_dict)
+            onebit = state_dict["onebit"]
         if not isinstance(onebit, dict):
-            raise ValueError(f"state_dict: no 'onebit' entry; it was not saved by {type(self).__name__}")
+            raise ValueError(f"state_dict: its 'onebit' entry is a {type(onebit).__name__}, not a dict")
         if onebit.get("optimizer") != type(self).__name__:
             raise ValueError(f"state_dict: saved by {onebit.get('optimizer')}, cannot load into {type(self).__name__}")
-        schedule = onebit["schedule"]
+        schedule = {**self._schedule_keys_added_since(onebit["schedule"]), **onebit["schedule"]}
         if set(schedule) != set(self._sched):
             raise ValueError(f"state_dict: schedule keys {sorted(schedule)} differ from {sorted(self._sched)}")
         masks = [group.get("exp_avg_mask") for group in self.param_groups]
@@ -423,10 +478,29 @@ class OnebitOptimizer(BaseOptimizer):
         return {"step": 0}
 
     def _init_param_state(self, group: dict[str, Any], p: Tensor, state: dict[str, Any]) -> None:
-        """Per-param scalar states (the flat keys are created by :meth:`_flat`)."""
+        """Per-param scalar states that ``state`` lacks (the flat keys are created by :meth:`_flat`)."""
+
+    def _schedule_after_plain_steps(self, step: int) -> dict[str, Any]:
+        """The schedule after ``step`` steps of a full-precision optimizer (every one a variance update)."""
+        return {**self._initial_schedule(), "step": step}
+
+    def _schedule_keys_added_since(self, schedule: dict[str, Any]) -> dict[str, Any]:
+        """Values for schedule keys that older checkpoints lack."""
+        return {}
 
     def _onebit_step(self, layout: Layout, t: int) -> None:
         raise NotImplementedError
 
     def _needs_average(self, t: int) -> bool:
         raise NotImplementedError
+
+    def _variance_freeze_step(self) -> int:
+        """The step after which the variance stays frozen."""
+        raise NotImplementedError
+
+    def _variance_frozen(self) -> bool:
+        return self._sched["step"] >= self._variance_freeze_step()
+
+    def _variance_version(self) -> int:
+        """Changes whenever the variance may have changed (the zero-mask cache key)."""
+        return min(self._sched["step"], self._variance_freeze_step())

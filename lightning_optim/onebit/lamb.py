@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from lightning_optim.onebit.base import OnebitOptimizer
-from lightning_optim.onebit.layout import Layout, check_step_count
+from lightning_optim.onebit.layout import VARIANCE_FIRST, Layout, check_step_count
 from lightning_optim.optim.adam import adam_second_moment_
 from lightning_optim.optim.base import Batch, ParamsT
 from lightning_optim.optim.lamb import lamb_denominator, lamb_direction, lamb_first_moment_, trust_ratios
@@ -112,10 +112,11 @@ class OnebitLamb(OnebitOptimizer):
         process_group: ProcessGroup | None = None,
         average_grads: bool = True,
         kahan_sum: bool | None = None,
+        auto_mask: bool = True,
     ) -> None:
         if check_flag("amsgrad", amsgrad):
             raise ValueError("amsgrad: 1-bit LAMB does not support the AMSGrad variant; leave amsgrad=False")
-        self.freeze_step = check_step_count("freeze_step", freeze_step)
+        self.freeze_step = check_step_count("freeze_step", freeze_step, 1, why=VARIANCE_FIRST)
         self.coeff_beta = check_unit_interval("coeff_beta", coeff_beta)
         self.factor_min = check_non_negative("factor_min", factor_min)
         self.factor_max = check_positive("factor_max", factor_max)
@@ -141,7 +142,11 @@ class OnebitLamb(OnebitOptimizer):
             average_grads=average_grads,
             cuda_aware=cuda_aware,
             comm_backend_name=comm_backend_name,
+            auto_mask=auto_mask,
         )
+
+    def _variance_freeze_step(self) -> int:
+        return self.freeze_step
 
     def _check_group(self, group: dict[str, Any]) -> None:
         super()._check_group(group)
@@ -151,9 +156,18 @@ class OnebitLamb(OnebitOptimizer):
             raise ValueError(f"min_coeff must be in [0, max_coeff={max_coeff}], got {min_coeff}")
 
     def _init_param_state(self, group: dict[str, Any], p: Tensor, state: dict[str, Any]) -> None:
-        state["lamb_coeff"] = torch.ones((), dtype=torch.float32, device=p.device)
-        state["lamb_coeff_freeze"] = torch.zeros((), dtype=torch.float32, device=p.device)
-        state["last_factor"] = torch.ones((), dtype=torch.float32, device=p.device)
+        for key, value in (("lamb_coeff", 1.0), ("lamb_coeff_freeze", 0.0), ("last_factor", 1.0)):
+            if key not in state:
+                state[key] = torch.full((), value, dtype=torch.float32, device=p.device)
+
+    def _schedule_after_plain_steps(self, step: int) -> dict[str, Any]:
+        if step >= self.freeze_step:
+            raise ValueError(
+                f"state_dict: a plain LAMB state saved at step {step} cannot resume as OnebitLamb with "
+                f"freeze_step={self.freeze_step}: the compression stage scales by trust ratios recorded during "
+                f"its own warmup, which a plain LAMB does not keep; use freeze_step > {step}"
+            )
+        return super()._schedule_after_plain_steps(step)
 
     @property
     def in_compression_stage(self) -> bool:
@@ -209,7 +223,7 @@ class OnebitLamb(OnebitOptimizer):
 
     def _compression_step(self, layout: Layout, t: int) -> None:
         exp_avg_flat = self._flat("exp_avg")
-        if not self._has_state("exp_avg_sq_fresh"):  # freeze_step == 0
+        if not self._has_state("exp_avg_sq_fresh"):  # resumed past freeze_step from a plain LAMB state
             self._flat("exp_avg_sq_fresh").copy_(self._flat("exp_avg_sq"))
         momenta = [self.state[p]["exp_avg"] for p in layout.params]
         if not self._has_state("scaling_coeff"):
@@ -223,6 +237,7 @@ class OnebitLamb(OnebitOptimizer):
         self._compress_(exp_avg_flat)
         torch._foreach_div_(momenta, scaling)
         self._mask_(layout, momenta)
+        self._auto_mask_(layout, exp_avg_flat)
         # The local gradients are spent: their buffer now takes the gradients reconstructed
         # from the averaged momentum, g~ = (m - beta1 m_prev) / (1 - beta1).
         _, grad_views = self._scratch(layout, "grad")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 import zlib
 from typing import Any
 
@@ -42,10 +43,15 @@ class Layout:
         return [len(self.params), self.numel, zlib.crc32(shapes)]
 
 
-def check_step_count(name: str, value: object, minimum: int = 0) -> int:
-    """An integer step count >= ``minimum``."""
-    if isinstance(value, bool) or not isinstance(value, int):
+VARIANCE_FIRST = ("the compression stage divides by the variance estimated in the full-precision steps, so "
+                  "at least one must come first")
+
+
+def check_step_count(name: str, value: object, minimum: int = 0, why: str = "") -> int:
+    """An integer step count >= ``minimum`` (numpy integers accepted); ``why`` explains the minimum."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an integer, got {type(value).__name__} ({value!r})")
+    value = int(value)
     if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value}" + (f": {why}" if why else ""))
     return value

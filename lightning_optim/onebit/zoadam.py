@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lightning_optim.onebit.base import OnebitOptimizer
-from lightning_optim.onebit.layout import Layout, check_step_count
+from lightning_optim.onebit.layout import VARIANCE_FIRST, Layout, check_step_count
 from lightning_optim.optim.adam import adam_denominator, adam_first_moment_
 from lightning_optim.optim.base import ParamsT
 from lightning_optim.optim.validation import check_flag
@@ -112,10 +112,11 @@ class ZeroOneAdam(OnebitOptimizer):
         process_group: ProcessGroup | None = None,
         average_grads: bool = True,
         kahan_sum: bool | None = None,
+        auto_mask: bool = True,
     ) -> None:
         if check_flag("amsgrad", amsgrad):
             raise ValueError("amsgrad: 0/1 Adam does not support the AMSGrad variant; leave amsgrad=False")
-        self.var_freeze_step = check_step_count("var_freeze_step", var_freeze_step)
+        self.var_freeze_step = check_step_count("var_freeze_step", var_freeze_step, 1, why=VARIANCE_FIRST)
         self.var_update_scaler = check_step_count("var_update_scaler", var_update_scaler, 1)
         self.local_step_scaler = check_step_count("local_step_scaler", local_step_scaler, 1)
         self.local_step_clipper = check_step_count("local_step_clipper", local_step_clipper, 1)
@@ -136,6 +137,7 @@ class ZeroOneAdam(OnebitOptimizer):
             average_grads=average_grads,
             cuda_aware=cuda_aware,
             comm_backend_name=comm_backend_name,
+            auto_mask=auto_mask,
         )
 
     def _initial_schedule(self) -> dict[str, Any]:
@@ -150,6 +152,28 @@ class ZeroOneAdam(OnebitOptimizer):
             "lr_sum": [],  # per param group: A
             "decay_product": [],  # per param group: D
         }
+
+    def _variance_freeze_step(self) -> int:
+        return self.var_freeze_step
+
+    def _schedule_after_plain_steps(self, step: int) -> dict[str, Any]:
+        """The counters after ``step`` steps, all of them variance updates (a plain Adam's)."""
+        s = self._initial_schedule()
+        s["step"] = s["var_updates"] = step
+        for t in range(1, min(step, self.var_freeze_step) + 1):
+            if t % s["var_interval"] == 0:
+                s["var_counter"] += 1
+                if s["var_counter"] == self.var_update_scaler:
+                    s["var_counter"], s["var_interval"] = 0, s["var_interval"] * 2
+        for _ in range(max(0, step - self.var_freeze_step)):
+            s["local_step_counter"] += 1
+            if s["local_step_counter"] == self.local_step_scaler:
+                s["local_step_counter"] = 0
+                s["local_step_interval"] = min(self.local_step_clipper, s["local_step_interval"] * 2)
+        return s
+
+    def _variance_version(self) -> int:
+        return self._sched["var_updates"]
 
     @property
     def in_local_stage(self) -> bool:
@@ -187,6 +211,7 @@ class ZeroOneAdam(OnebitOptimizer):
         else:
             self._compress_(grad_flat)
             self._mask_(layout, grad_views)
+            self._auto_mask_(layout, grad_flat)
         for gi, group, batch in self._batches(layout, t):
             beta1, beta2 = group["betas"]
             bc1, bc2 = self._bias_corrections(group, t)
@@ -241,6 +266,7 @@ class ZeroOneAdam(OnebitOptimizer):
         s = self._sched
         self._compress_(accumulator)
         self._mask_(layout, [self.state[p]["momentum_accumulator"] for p in layout.params])
+        self._auto_mask_(layout, accumulator)
         for gi, group, batch in self._batches(layout, t):
             _, bc2 = self._bias_corrections(group, t)
             acc = batch.state("momentum_accumulator")

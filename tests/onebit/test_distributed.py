@@ -138,8 +138,8 @@ def test_gradient_accumulation_feeds_the_mean_gradient_to_both_stages(two):
 
 def test_param_shapes_differing_across_ranks_raise_on_every_rank(two):
     for r in range(2):
-        assert "same trainable param shapes" in two[r]["mismatch"]
-        assert "shape lists differ" in two[r]["mismatch"]
+        assert "same trainable params (shapes, dtypes, order)" in two[r]["mismatch"] and "shapes differ" in two[r]["mismatch"]
+        assert "shapes differ" in two[r]["mismatch"]
         assert two[r]["mismatch_untouched"]
 
 

@@ -180,16 +180,20 @@ def test_load_keeps_the_current_exp_avg_mask_and_refuses_foreign_dicts():
     assert fresh.param_groups[1]["exp_avg_mask"] is new_mask
     with pytest.raises(ValueError, match="saved by OnebitAdam"):
         ZeroOneAdam(params[:2]).load_state_dict(saved)
-    with pytest.raises(ValueError, match="no 'onebit' entry"):
-        OnebitAdam(params[:2]).load_state_dict(lo.Adam(params[:2]).state_dict())
+    sgd = lo.SGD(params[:2], lr=0.1, momentum=0.9)
+    for p in params[:2]:
+        p.grad = torch.ones_like(p)
+    sgd.step()
+    with pytest.raises(ValueError, match=r"holds state \['momentum_buffer', 'step'\].*missing: \['exp_avg', 'exp_avg_sq'\]"):
+        OnebitAdam(params[:2]).load_state_dict(sgd.state_dict())
 
 
-def test_a_param_group_added_later_joins_the_flat_layout():
+def test_a_param_group_added_in_warmup_joins_the_flat_layout():
     params = init_params()
     opt = OnebitAdam(params[:2], lr=0.01, freeze_step=2)
-    _feed(opt, params[:2], 3)
+    _feed(opt, params[:2], 1)
     opt.add_param_group({"params": params[2:]})
-    _feed(opt, params, 3, first=4)
+    _feed(opt, params, 3, first=2)
     assert opt._flat("exp_avg").numel() == sum(p.numel() for p in params)
     assert all(torch.isfinite(p).all() for p in params)
 

@@ -1,0 +1,86 @@
+"""Start a 1-bit optimizer from a running job's full-precision Adam/AdamW (or LAMB) state dict.
+
+The natural way to skip a long full-precision warmup: train with DDP + Adam, then resume the
+checkpoint with a 1-bit optimizer. What carries over, per param: ``exp_avg``, ``exp_avg_sq`` (as
+fp32) and the step count ``s``; the schedule's step becomes ``s``, so the stage follows from it
+(``s >= freeze_step``: the next step compresses, with the loaded variance frozen; its bias correction
+counts the ``s`` variance updates the saved Adam made). Per group, ``lr`` and ``initial_lr`` (the
+running LR schedule) come from the saved dict; the other hyper-parameters stay the 1-bit
+optimizer's own. The error buffers start at zero (a full-precision run has none).
+
+Refused with a ``ValueError`` naming what is wrong: another algorithm's state (``momentum_buffer``,
+``max_exp_avg_sq``: AMSGrad...), a different number of groups or params, shapes that differ, and a
+LAMB state saved at or after ``freeze_step`` for ``OnebitLamb`` (its frozen trust ratios are
+recorded during warmup and a plain LAMB has none).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from lightning_optim.onebit.base import OnebitOptimizer
+
+_MOMENTS = ("exp_avg", "exp_avg_sq")
+_ALLOWED = {"step", "exp_avg", "exp_avg_sq", "kahan_comp"}
+_CARRIED_GROUP_KEYS = ("lr", "initial_lr")
+
+
+def _step_of(value: Any) -> int:
+    return int(value.item()) if isinstance(value, Tensor) else int(value)
+
+
+def plain_to_onebit(optimizer: OnebitOptimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+    """``state_dict`` (torch.optim / lightning_optim Adam, AdamW, Lamb ...) in ``optimizer``'s own format."""
+    name = type(optimizer).__name__
+    saved_groups, saved_state = state_dict.get("param_groups"), state_dict.get("state")
+    if not isinstance(saved_groups, list) or not isinstance(saved_state, dict):
+        raise ValueError(f"state_dict: expected 'state' and 'param_groups' entries, got keys {sorted(state_dict)}")
+    if len(saved_groups) != len(optimizer.param_groups):
+        raise ValueError(f"state_dict: {len(saved_groups)} param groups saved, {name} has {len(optimizer.param_groups)}")
+    state: dict[Any, dict[str, Any]] = {}
+    groups, steps = [], set()
+    for gi, (group, saved) in enumerate(zip(optimizer.param_groups, saved_groups)):
+        ids = saved["params"]
+        if len(ids) != len(group["params"]):
+            raise ValueError(f"state_dict: param group {gi} holds {len(ids)} params, {name}'s holds {len(group['params'])}")
+        new_group = {k: v for k, v in group.items() if k != "params"}
+        new_group.update({k: saved[k] for k in _CARRIED_GROUP_KEYS if k in saved})
+        new_group["params"] = ids
+        groups.append(new_group)
+        for p, pid in zip(group["params"], ids):
+            entry = saved_state.get(pid)
+            if not entry:
+                continue
+            keys = set(entry)
+            if not keys <= _ALLOWED or not set(_MOMENTS) <= keys:
+                raise ValueError(
+                    f"state_dict: param {pid} holds state {sorted(keys)}; {name} takes Adam/AdamW/LAMB moments "
+                    f"{sorted(_MOMENTS + ('step',))} (missing: {sorted(set(_MOMENTS) - keys)}, "
+                    f"not {name}'s: {sorted(keys - _ALLOWED)})"
+                )
+            for key in _MOMENTS:
+                if tuple(entry[key].shape) != tuple(p.shape):
+                    raise ValueError(f"state_dict: param {pid} {key} has shape {tuple(entry[key].shape)}, "
+                                     f"the param {tuple(p.shape)}")
+            converted = {key: entry[key].detach().to(torch.float32) for key in _MOMENTS}
+            if "kahan_comp" in entry and entry["kahan_comp"].dtype == p.dtype:
+                converted["kahan_comp"] = entry["kahan_comp"]
+            state[pid] = converted
+            steps.add(_step_of(entry.get("step", 0)))
+    step = max(steps, default=0)
+    schedule = optimizer._schedule_after_plain_steps(step)
+    return {
+        "state": state,
+        "param_groups": groups,
+        "onebit": {
+            "optimizer": name,
+            "schedule": schedule,
+            "world_size": optimizer._world()[0],
+            "rank": optimizer._world()[1],
+            "worker_error": None,
+            "server_error": None,
+        },
+    }
