@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from lightning_optim.onebit.base import OnebitOptimizer
+from lightning_optim.onebit.base import DEFAULT_AUTO_MASK, OnebitOptimizer
 from lightning_optim.onebit.layout import VARIANCE_FIRST, Layout, check_step_count
 from lightning_optim.optim.adam import adam_first_moment_
 from lightning_optim.optim.base import ParamsT
@@ -65,7 +65,8 @@ class OnebitAdam(OnebitOptimizer):
 
     Args:
         lr: learning rate, >= 0.
-        freeze_step: number of warmup (full-precision Adam) steps, >= 0.
+        freeze_step: number of warmup (full-precision Adam) steps, >= 1 (the compression stage
+            divides by the variance they estimate).
         bias_correction: bias-correct the moments (see above).
         betas: moment coefficients, each in [0, 1).
         eps: denominator term, > 0.
@@ -79,6 +80,16 @@ class OnebitAdam(OnebitOptimizer):
         average_grads: average full-precision gradients over ranks inside :meth:`step` when
             they are needed (see above).
         kahan_sum: Kahan-compensated updates of fp16/bf16 params (None: on for those dtypes).
+        auto_mask: :math:`\rho` in [0, 1) or None (off). After every compressed allreduce, the
+            elements whose frozen variance is at most :math:`\rho^2` times their param's mean
+            variance (gradients that were all but zero through warmup, e.g. the key part of a fused
+            attention bias) get momentum 0 and stay still, instead of moving on the compression's
+            +-scale noise divided by a tiny :math:`\sqrt{v}`. 0: exact zeros only. Composes with
+            ``exp_avg_mask`` (both apply); derived from the state, so it survives checkpoints.
+
+    **Resuming a full-precision run.** :meth:`load_state_dict` also takes the state dict of a
+    torch.optim or lightning_optim ``Adam``/``AdamW`` over the same params: moments and step count
+    carry over and the stage follows from the step count (see :mod:`lightning_optim.onebit.resume`).
 
     Param groups may carry ``exp_avg_mask``: a tensor broadcastable to every param of the
     group that multiplies the momentum after each compressed allreduce (for momenta with
@@ -104,7 +115,7 @@ class OnebitAdam(OnebitOptimizer):
         process_group: ProcessGroup | None = None,
         average_grads: bool = True,
         kahan_sum: bool | None = None,
-        auto_mask: bool = True,
+        auto_mask: float | None = DEFAULT_AUTO_MASK,
     ) -> None:
         if check_flag("amsgrad", amsgrad):
             raise ValueError("amsgrad: 1-bit Adam does not support the AMSGrad variant; leave amsgrad=False")

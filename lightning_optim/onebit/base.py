@@ -34,11 +34,19 @@ from lightning_optim.onebit.layout import Layout
 from lightning_optim.onebit.resume import plain_to_onebit
 from lightning_optim.optim.adam import adam_deltas, adam_first_moment_, adam_second_moment_
 from lightning_optim.optim.base import BaseOptimizer, Batch, ParamsT
-from lightning_optim.optim.validation import check_betas, check_flag, check_non_negative, check_positive
+from lightning_optim.optim.validation import (
+    check_betas,
+    check_flag,
+    check_non_negative,
+    check_positive,
+    check_unit_interval,
+)
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # comm_backend_name values DeepSpeed knows; we always talk through torch.distributed.
 _DEEPSPEED_BACKENDS = ("nccl", "mpi", "hccl", "compressed")
+# auto_mask: elements whose sqrt(v) is at most this fraction of their param's RMS sqrt(v) stay still
+DEFAULT_AUTO_MASK = 1e-3
 
 
 class OnebitOptimizer(BaseOptimizer):
@@ -54,6 +62,7 @@ class OnebitOptimizer(BaseOptimizer):
 
     _flat_keys: tuple[str, ...] = ("exp_avg", "exp_avg_sq")
     _lazy_flat_keys: tuple[str, ...] = ()  # flat states created only in a later stage
+    _plain_state_extras: tuple[str, ...] = ()  # per-param keys a full-precision state may bring along
 
     def __init__(
         self,
@@ -64,10 +73,10 @@ class OnebitOptimizer(BaseOptimizer):
         average_grads: bool,
         cuda_aware: bool,
         comm_backend_name: str,
-        auto_mask: bool = True,
+        auto_mask: float | None = DEFAULT_AUTO_MASK,
     ) -> None:
         self.average_grads = check_flag("average_grads", average_grads)
-        self.auto_mask = check_flag("auto_mask", auto_mask)
+        self.auto_mask = None if auto_mask is None else check_unit_interval("auto_mask", auto_mask)
         self.process_group = check_process_group("process_group", process_group)
         self._check_compat(cuda_aware, comm_backend_name, defaults.get("max_grad_norm", 0.0))
         self._sched: dict[str, Any] = self._initial_schedule()
@@ -205,7 +214,7 @@ class OnebitOptimizer(BaseOptimizer):
             return current
         layout = Layout(self.param_groups)
         if self._variance_frozen():
-            fresh = sum(1 for p in layout.params if "exp_avg_sq" not in self.state[p])
+            fresh = sum(1 for p in layout.params if "exp_avg_sq" not in self.state.get(p, {}))
             if fresh:
                 raise ValueError(
                     f"params: {fresh} of {len(layout.params)} trained params have no variance estimate, but "
@@ -351,16 +360,25 @@ class OnebitOptimizer(BaseOptimizer):
                 views[i].mul_(mask)
 
     def _zero_mask(self, layout: Layout) -> Tensor | None:
-        """1 where the variance is nonzero, 0 where every (averaged) gradient so far was exactly 0
-        (``v = 0``): the elements that must not move on compressed (+-scale) noise. None when
-        ``auto_mask`` is off or no element is all-zero. Cached per variance version."""
-        if not self.auto_mask:
+        r"""The automatic mask: 0 for the elements whose frozen variance says their gradient was
+        (all but) zero through the full-precision steps, 1 elsewhere; None when ``auto_mask`` is None
+        or no element qualifies. Element ``i`` of param ``j`` is masked when
+        :math:`v_i \le \rho^2 \bar v_j` (:math:`\bar v_j` the mean of :math:`v` over param ``j``,
+        :math:`\rho` = ``auto_mask``; :math:`\rho = 0`: exact zeros only). Such an element's compressed
+        momentum is +-scale noise, and dividing it by its tiny :math:`\sqrt{v_i}` would move it by up
+        to :math:`1/\rho` times a normal step, every step. Cached until the variance changes."""
+        if self.auto_mask is None:
             return None
         version = (id(self._flats.get("exp_avg_sq")), self._variance_version())
         cached = layout.scratch.get("zero_mask")
         if cached is None or cached[0] != version:
             variance = self._flat("exp_avg_sq")
-            mask = None if bool(variance.ne(0).all()) else variance.ne(0).to(torch.float32)
+            numels = torch.tensor(layout.numels, device=variance.device)
+            ids = torch.repeat_interleave(torch.arange(len(layout.numels), device=variance.device), numels)
+            means = torch.zeros(len(layout.numels), dtype=torch.float64, device=variance.device)
+            means.index_add_(0, ids, variance.double()).div_(numels.clamp(min=1))
+            keep = variance.double() > (self.auto_mask**2) * means[ids]
+            mask = None if bool(keep.all()) else keep.to(torch.float32)
             cached = layout.scratch["zero_mask"] = (version, mask)
         return cached[1]
 

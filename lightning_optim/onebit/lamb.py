@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from lightning_optim.onebit.base import OnebitOptimizer
+from lightning_optim.onebit.base import DEFAULT_AUTO_MASK, OnebitOptimizer
 from lightning_optim.onebit.layout import VARIANCE_FIRST, Layout, check_step_count
 from lightning_optim.optim.adam import adam_second_moment_
 from lightning_optim.optim.base import Batch, ParamsT
@@ -74,8 +74,9 @@ class OnebitLamb(OnebitOptimizer):
 
     Args:
         lr, freeze_step, bias_correction, betas, eps, eps_inside_sqrt, max_grad_norm, amsgrad,
-            cuda_aware, comm_backend_name, process_group, average_grads, kahan_sum:
-            as :class:`~lightning_optim.onebit.OnebitAdam`.
+            cuda_aware, comm_backend_name, process_group, average_grads, kahan_sum, auto_mask:
+            as :class:`~lightning_optim.onebit.OnebitAdam` (a plain ``Lamb``/``FusedLamb`` state dict
+            loads only before ``freeze_step``: the frozen trust ratios are recorded in warmup).
         weight_decay: decay :math:`\lambda` >= 0 inside the LAMB update.
         max_coeff: upper clamp of the warmup trust ratio, in (0, inf].
         min_coeff: lower clamp of the warmup trust ratio, in [0, max_coeff].
@@ -87,6 +88,7 @@ class OnebitLamb(OnebitOptimizer):
     """
 
     _lazy_flat_keys = ("exp_avg_sq_fresh",)
+    _plain_state_extras = ("lamb_coeff",)  # Lamb's last trust ratio, the same quantity
 
     def __init__(
         self,
@@ -112,7 +114,7 @@ class OnebitLamb(OnebitOptimizer):
         process_group: ProcessGroup | None = None,
         average_grads: bool = True,
         kahan_sum: bool | None = None,
-        auto_mask: bool = True,
+        auto_mask: float | None = DEFAULT_AUTO_MASK,
     ) -> None:
         if check_flag("amsgrad", amsgrad):
             raise ValueError("amsgrad: 1-bit LAMB does not support the AMSGrad variant; leave amsgrad=False")

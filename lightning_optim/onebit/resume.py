@@ -54,18 +54,21 @@ def plain_to_onebit(optimizer: OnebitOptimizer, state_dict: dict[str, Any]) -> d
             entry = saved_state.get(pid)
             if not entry:
                 continue
-            keys = set(entry)
-            if not keys <= _ALLOWED or not set(_MOMENTS) <= keys:
+            keys, allowed = set(entry), _ALLOWED | set(optimizer._plain_state_extras)
+            if not keys <= allowed or not set(_MOMENTS) <= keys:
                 raise ValueError(
                     f"state_dict: param {pid} holds state {sorted(keys)}; {name} takes Adam/AdamW/LAMB moments "
                     f"{sorted(_MOMENTS + ('step',))} (missing: {sorted(set(_MOMENTS) - keys)}, "
-                    f"not {name}'s: {sorted(keys - _ALLOWED)})"
+                    f"not {name}'s: {sorted(keys - allowed)})"
                 )
             for key in _MOMENTS:
                 if tuple(entry[key].shape) != tuple(p.shape):
                     raise ValueError(f"state_dict: param {pid} {key} has shape {tuple(entry[key].shape)}, "
                                      f"the param {tuple(p.shape)}")
             converted = {key: entry[key].detach().to(torch.float32) for key in _MOMENTS}
+            for key in optimizer._plain_state_extras:  # e.g. LAMB's last trust ratio
+                if key in entry:
+                    converted[key] = torch.as_tensor(entry[key], dtype=torch.float32).detach().clone()
             if "kahan_comp" in entry and entry["kahan_comp"].dtype == p.dtype:
                 converted["kahan_comp"] = entry["kahan_comp"]
             state[pid] = converted

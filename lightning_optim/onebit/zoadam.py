@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lightning_optim.onebit.base import OnebitOptimizer
+from lightning_optim.onebit.base import DEFAULT_AUTO_MASK, OnebitOptimizer
 from lightning_optim.onebit.layout import VARIANCE_FIRST, Layout, check_step_count
 from lightning_optim.optim.adam import adam_denominator, adam_first_moment_
 from lightning_optim.optim.base import ParamsT
@@ -81,9 +81,11 @@ class ZeroOneAdam(OnebitOptimizer):
 
     Args:
         lr, bias_correction, betas, eps, eps_inside_sqrt, weight_decay, max_grad_norm, amsgrad,
-            cuda_aware, comm_backend_name, process_group, average_grads, kahan_sum:
-            as :class:`~lightning_optim.onebit.OnebitAdam`.
-        var_freeze_step: the last step of the variance stage, >= 0.
+            cuda_aware, comm_backend_name, process_group, average_grads, kahan_sum, auto_mask:
+            as :class:`~lightning_optim.onebit.OnebitAdam` (``auto_mask`` also masks the 1-bit
+            gradients of the variance stage, from the variance so far; plain Adam/AdamW state dicts
+            load as there).
+        var_freeze_step: the last step of the variance stage, >= 1.
         var_update_scaler: variance steps per doubling of ``var_interval``, >= 1.
         local_step_scaler: local-stage steps per doubling of ``local_step_interval``, >= 1.
         local_step_clipper: the largest ``local_step_interval``, >= 1.
@@ -112,7 +114,7 @@ class ZeroOneAdam(OnebitOptimizer):
         process_group: ProcessGroup | None = None,
         average_grads: bool = True,
         kahan_sum: bool | None = None,
-        auto_mask: bool = True,
+        auto_mask: float | None = DEFAULT_AUTO_MASK,
     ) -> None:
         if check_flag("amsgrad", amsgrad):
             raise ValueError("amsgrad: 0/1 Adam does not support the AMSGrad variant; leave amsgrad=False")

@@ -7,12 +7,17 @@ message names the argument and the range it must lie in.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
+
+import numpy as np
 
 
 def _finite_number(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    # numbers.Real: Python and numpy ints/floats (torch accepts np.float32(1e-3)); bools are refused
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a real number, got {type(value).__name__} ({value!r})")
+    value = float(value)
     if not math.isfinite(value):
         raise ValueError(f"{name} must be finite, got {value}")
     return float(value)
