@@ -11,7 +11,6 @@ compresses (one scale per param) or averages the whole model.
 
 from __future__ import annotations
 
-import copy
 import warnings
 import zlib
 from collections.abc import Callable, Iterator
@@ -30,8 +29,9 @@ from lightning_optim.comm import (
     gather_rows,
     make_error_buffers,
 )
+from lightning_optim.onebit.checkpoint import OnebitStateDictMixin
 from lightning_optim.onebit.layout import Layout
-from lightning_optim.onebit.resume import plain_to_onebit
+from lightning_optim.onebit.masks import MomentumMaskMixin
 from lightning_optim.optim.adam import adam_deltas, adam_first_moment_, adam_second_moment_
 from lightning_optim.optim.base import BaseOptimizer, Batch, ParamsT
 from lightning_optim.optim.validation import (
@@ -49,7 +49,7 @@ _DEEPSPEED_BACKENDS = ("nccl", "mpi", "hccl", "compressed")
 DEFAULT_AUTO_MASK = 1e-3
 
 
-class OnebitOptimizer(BaseOptimizer):
+class OnebitOptimizer(OnebitStateDictMixin, MomentumMaskMixin, BaseOptimizer):
     """Base of the 1-bit optimizers. Subclasses define:
 
     * ``_flat_keys`` / ``_lazy_flat_keys``: the per-param fp32 state tensors kept in flat
@@ -349,45 +349,6 @@ class OnebitOptimizer(BaseOptimizer):
                              eps_inside_sqrt=group["eps_inside_sqrt"])
         self._apply(batch, deltas, decay=decay)
 
-    def _mask_(self, layout: Layout, views: list[Tensor]) -> None:
-        """Multiply by each group's ``exp_avg_mask`` (DeepSpeed: after the compressed allreduce)."""
-        for i, gi in enumerate(layout.group_of):
-            group = self.param_groups[gi]
-            mask = group.get("exp_avg_mask")
-            if mask is not None:
-                if mask.device != layout.device:
-                    mask = group["exp_avg_mask"] = mask.to(layout.device)
-                views[i].mul_(mask)
-
-    def _zero_mask(self, layout: Layout) -> Tensor | None:
-        r"""The automatic mask: 0 for the elements whose frozen variance says their gradient was
-        (all but) zero through the full-precision steps, 1 elsewhere; None when ``auto_mask`` is None
-        or no element qualifies. Element ``i`` of param ``j`` is masked when
-        :math:`v_i \le \rho^2 \bar v_j` (:math:`\bar v_j` the mean of :math:`v` over param ``j``,
-        :math:`\rho` = ``auto_mask``; :math:`\rho = 0`: exact zeros only). Such an element's compressed
-        momentum is +-scale noise, and dividing it by its tiny :math:`\sqrt{v_i}` would move it by up
-        to :math:`1/\rho` times a normal step, every step. Cached until the variance changes."""
-        if self.auto_mask is None:
-            return None
-        version = (id(self._flats.get("exp_avg_sq")), self._variance_version())
-        cached = layout.scratch.get("zero_mask")
-        if cached is None or cached[0] != version:
-            variance = self._flat("exp_avg_sq")
-            numels = torch.tensor(layout.numels, device=variance.device)
-            ids = torch.repeat_interleave(torch.arange(len(layout.numels), device=variance.device), numels)
-            means = torch.zeros(len(layout.numels), dtype=torch.float64, device=variance.device)
-            means.index_add_(0, ids, variance.double()).div_(numels.clamp(min=1))
-            keep = variance.double() > (self.auto_mask**2) * means[ids]
-            mask = None if bool(keep.all()) else keep.to(torch.float32)
-            cached = layout.scratch["zero_mask"] = (version, mask)
-        return cached[1]
-
-    def _auto_mask_(self, layout: Layout, flat: Tensor) -> None:
-        """``flat *= zero mask`` (see :meth:`_zero_mask`), after every compressed allreduce."""
-        mask = self._zero_mask(layout)
-        if mask is not None:
-            flat.mul_(mask)
-
     # ------------------------------------------------------------------ communication
     def _world(self) -> tuple[int, int]:
         if dist.is_available() and dist.is_initialized():
@@ -423,73 +384,6 @@ class OnebitOptimizer(BaseOptimizer):
         if self._worker_error is not None:
             self._worker_error.zero_()
             self._server_error.zero_()
-
-    def _drop_foreign_errors(self) -> None:
-        """Error buffers restored from another rank or world size carry another rank's residue."""
-        if self._worker_error is not None and self._error_origin != self._world():
-            world, rank = self._error_origin
-            self._warn_errors_reset(
-                f"they were saved by rank {rank} of {world} and this is rank {self._world()[1]} of {self._world()[0]}"
-            )
-
-    def _warn_errors_reset(self, why: str) -> None:
-        warnings.warn(
-            f"{type(self).__name__}: the compression error buffers are re-initialised to zero because {why}; "
-            "moments, step counters and the frozen variance carry over",
-            UserWarning,
-            stacklevel=4,
-        )
-        self._worker_error = self._server_error = self._error_origin = None
-
-    # ------------------------------------------------------------------ checkpoints
-    def state_dict(self) -> dict[str, Any]:
-        """torch's state dict plus ``"onebit"``: the stage counters and THIS rank's error buffers.
-
-        The moments are equal on every rank except in ZeroOneAdam's local steps, but the error
-        buffers are per rank: save one state dict per rank to restore behaviour bitwise. A dict
-        from another rank or world size still loads (the error buffers restart from zero, with
-        one warning).
-        """
-        sd = super().state_dict()
-        origin = self._error_origin if self._worker_error is not None else self._world()
-        sd["onebit"] = {
-            "optimizer": type(self).__name__,
-            "schedule": copy.deepcopy(self._sched),
-            "world_size": origin[0],
-            "rank": origin[1],
-            "worker_error": self._worker_error,
-            "server_error": self._server_error,
-        }
-        return sd
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a dict from :meth:`state_dict`; the current ``exp_avg_mask`` of each group is kept
-        (as DeepSpeed does: masks change with the training phase, e.g. the sequence length)."""
-        onebit = state_dict.get("onebit")
-        if onebit is None:  # a full-precision Adam/AdamW/LAMB: start 1-bit from a running job
-            state_dict = plain_to_onebit(self, state_dict)
-            onebit = state_dict["onebit"]
-        if not isinstance(onebit, dict):
-            raise ValueError(f"state_dict: its 'onebit' entry is a {type(onebit).__name__}, not a dict")
-        if onebit.get("optimizer") != type(self).__name__:
-            raise ValueError(f"state_dict: saved by {onebit.get('optimizer')}, cannot load into {type(self).__name__}")
-        schedule = {**self._schedule_keys_added_since(onebit["schedule"]), **onebit["schedule"]}
-        if set(schedule) != set(self._sched):
-            raise ValueError(f"state_dict: schedule keys {sorted(schedule)} differ from {sorted(self._sched)}")
-        masks = [group.get("exp_avg_mask") for group in self.param_groups]
-        groups = [{k: v for k, v in g.items() if k != "exp_avg_mask"} for g in state_dict["param_groups"]]
-        super().load_state_dict({**state_dict, "param_groups": groups})
-        for group, mask in zip(self.param_groups, masks):
-            if mask is not None:
-                group["exp_avg_mask"] = mask
-        self._layout, self._flats = None, {}
-        self._sched = copy.deepcopy(schedule)
-        worker, server = onebit.get("worker_error"), onebit.get("server_error")
-        if worker is None or server is None:
-            self._worker_error = self._server_error = self._error_origin = None
-        else:
-            self._worker_error, self._server_error = worker.clone(), server.clone()
-            self._error_origin = (int(onebit["world_size"]), int(onebit["rank"]))
 
     # ------------------------------------------------------------------ for subclasses
     def _initial_schedule(self) -> dict[str, Any]:

@@ -1,0 +1,114 @@
+"""The 1-bit optimizers' state dicts: torch's plus an ``"onebit"`` entry (stage counters and this
+rank's error buffers), loading from another rank or world size, from a full-precision Adam/LAMB
+(``resume.py``), and the split of a state dict into what every rank shares and what is a rank's own
+(for trainers that save the optimizer on rank 0 only: Lightning, Accelerate, the HF Trainer).
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from typing import Any
+
+from lightning_optim.onebit.resume import plain_to_onebit
+
+__all__ = ["OnebitStateDictMixin"]
+
+
+class OnebitStateDictMixin:
+    """State-dict methods of :class:`~lightning_optim.onebit.base.OnebitOptimizer` (mixed in first)."""
+
+    def _drop_foreign_errors(self) -> None:
+        """Error buffers restored from another rank or world size carry another rank's residue."""
+        if self._worker_error is not None and self._error_origin != self._world():
+            world, rank = self._error_origin
+            self._warn_errors_reset(
+                f"they were saved by rank {rank} of {world} and this is rank {self._world()[1]} of {self._world()[0]}"
+            )
+
+    def _warn_errors_reset(self, why: str) -> None:
+        warnings.warn(
+            f"{type(self).__name__}: the compression error buffers are re-initialised to zero because {why}; "
+            "moments, step counters and the frozen variance carry over",
+            UserWarning,
+            stacklevel=4,
+        )
+        self._worker_error = self._server_error = self._error_origin = None
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """torch's state dict plus ``"onebit"``: the stage counters and THIS rank's error buffers.
+
+        The moments are equal on every rank except in ZeroOneAdam's local steps, but the error
+        buffers are per rank: save one state dict per rank to restore behaviour bitwise. A dict
+        from another rank or world size still loads (the error buffers restart from zero, with
+        one warning).
+        """
+        sd = super().state_dict()
+        origin = self._error_origin if self._worker_error is not None else self._world()
+        sd["onebit"] = {
+            "optimizer": type(self).__name__,
+            "schedule": copy.deepcopy(self._sched),
+            "world_size": origin[0],
+            "rank": origin[1],
+            "worker_error": self._worker_error,
+            "server_error": self._server_error,
+        }
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a dict from :meth:`state_dict`; the current ``exp_avg_mask`` of each group is kept
+        (as DeepSpeed does: masks change with the training phase, e.g. the sequence length)."""
+        onebit = state_dict.get("onebit")
+        if onebit is None:  # a full-precision Adam/AdamW/LAMB: start 1-bit from a running job
+            state_dict = plain_to_onebit(self, state_dict)
+            onebit = state_dict["onebit"]
+        if not isinstance(onebit, dict):
+            raise ValueError(f"state_dict: its 'onebit' entry is a {type(onebit).__name__}, not a dict")
+        if onebit.get("optimizer") != type(self).__name__:
+            raise ValueError(f"state_dict: saved by {onebit.get('optimizer')}, cannot load into {type(self).__name__}")
+        schedule = {**self._schedule_keys_added_since(onebit["schedule"]), **onebit["schedule"]}
+        if set(schedule) != set(self._sched):
+            raise ValueError(f"state_dict: schedule keys {sorted(schedule)} differ from {sorted(self._sched)}")
+        masks = [group.get("exp_avg_mask") for group in self.param_groups]
+        groups = [{k: v for k, v in g.items() if k != "exp_avg_mask"} for g in state_dict["param_groups"]]
+        super().load_state_dict({**state_dict, "param_groups": groups})
+        for group, mask in zip(self.param_groups, masks):
+            if mask is not None:
+                group["exp_avg_mask"] = mask
+        self._layout, self._flats = None, {}
+        self._sched = copy.deepcopy(schedule)
+        worker, server = onebit.get("worker_error"), onebit.get("server_error")
+        if worker is None or server is None:
+            self._worker_error = self._server_error = self._error_origin = None
+        else:
+            self._worker_error, self._server_error = worker.clone(), server.clone()
+            self._error_origin = (int(onebit["world_size"]), int(onebit["rank"]))
+
+    # ------------------------------------------------------------------ per-rank parts
+    @classmethod
+    def rank_local_state(cls, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """The part of ``state_dict`` (from :meth:`state_dict`) that is this rank's own: the
+        ``"onebit"`` entry (error buffers), or the whole dict when the params and momenta differ
+        per rank (ZeroOneAdam between synchronisations: ``steps_since_sync > 0``)."""
+        onebit = state_dict.get("onebit") or {}
+        if onebit.get("schedule", {}).get("steps_since_sync", 0) > 0:
+            return state_dict
+        return {"onebit": onebit}
+
+    @classmethod
+    def merge_rank_local_state(cls, shared: dict[str, Any], local: dict[str, Any]) -> dict[str, Any]:
+        """``shared`` (rank 0's dict) with a rank's :meth:`rank_local_state` put back."""
+        if "state" in local:
+            return local
+        return {**shared, "onebit": local["onebit"]}
+
+    @classmethod
+    def without_error_buffers(cls, state_dict: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+        """``state_dict`` with the error buffers dropped (they belong to one rank of one world
+        size), and whether it had any."""
+        onebit = state_dict.get("onebit")
+        if not isinstance(onebit, dict):
+            return state_dict, False
+        had = onebit.get("worker_error") is not None
+        return {**state_dict, "onebit": {**onebit, "worker_error": None, "server_error": None}}, had
