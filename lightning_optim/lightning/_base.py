@@ -1,30 +1,25 @@
-"""What the three 1-bit strategies share, written once for both Lightning packages.
+"""The three 1-bit strategies, written once for both Lightning packages, composed by concern:
+
+* ``_ddp_hooks.py``: DDP's allreduce as the switchable comm hook (also on CPU), switched per backward;
+* ``_rank_checkpoints.py``: each rank's own optimizer state next to the checkpoint;
+* ``_telemetry.py``: bytes on the wire per step (and the callback that logs them);
+* ``_failures.py``: the collective timeout and what a rank does when a collective fails;
+* here: argument checks, the precision guard, the optimizer conversion and the stage warnings.
 
 The concrete classes (``strategies.py`` for ``lightning.pytorch``, ``pl_strategies.py`` for
-``pytorch_lightning``) are ``class X(_Mixin, DDPStrategy)``: the mixin only calls ``super()``
-and reads the strategy's own attributes, so it works on either package's ``DDPStrategy``.
+``pytorch_lightning``) are ``class X(_Mixin, DDPStrategy)``: the mixins only call ``super()`` and
+read the strategy's own attributes, so they work on either package's ``DDPStrategy``.
 
 Per optimizer step (adapters only; the algorithms live in ``lightning_optim.onebit``/``comm``):
-
-1. ``setup_optimizers`` (after DDP wrapped the model): the optimizer from
-   ``configure_optimizers`` becomes the 1-bit variant (``convert.to_onebit``, built with
-   ``average_grads=False``), LR schedulers are pointed at it; a 1-bit optimizer is kept.
-2. ``_register_ddp_hooks`` (also on CPU, unlike ``DDPStrategy``): DDP's allreduce is replaced
-   by ``register_switchable_allreduce``.
-3. ``pre_backward`` (every backward, through ``manual_backward`` too): the switch is set to
-   ``optimizer.needs_averaged_grads``. It only changes in ``step()``, so every micro-batch of an
-   accumulation window agrees; Lightning's ``no_sync`` still skips the non-final ones.
-4. ``optimizer_step``: the bytes this rank sent (``comm_stats()`` delta) and what DDP's fp32
-   ring allreduce of the trained params would have sent are recorded; the telemetry callback
-   logs them.
+``setup_optimizers`` makes the optimizer from ``configure_optimizers`` the 1-bit variant
+(``convert.to_onebit``, ``average_grads=False``) and points the LR schedulers at it; before every
+backward the switch follows ``optimizer.needs_averaged_grads`` (it changes only in ``step()``, so
+every micro-batch of an accumulation window agrees); after the step the bytes are recorded.
 """
 
 from __future__ import annotations
 
 import math
-import re
-import signal
-import sys
 import warnings
 from datetime import timedelta
 from typing import Any, ClassVar
@@ -32,63 +27,24 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
-from lightning_optim.comm import CommunicationError, comm_stats, register_switchable_allreduce
-from lightning_optim.comm.stats import CommStats, ring_allreduce_bytes
+from lightning_optim.lightning._ddp_hooks import _SwitchableAllreduceMixin
+from lightning_optim.lightning._failures import DEFAULT_TIMEOUT_S, _CommFailureMixin
+from lightning_optim.lightning._rank_checkpoints import CHECKPOINT_KEY, _PerRankCheckpointMixin, rank_file
+from lightning_optim.lightning._telemetry import _ByteCountingMixin
 from lightning_optim.lightning.convert import retarget_schedulers, to_onebit
 from lightning_optim.onebit import OnebitAdam, OnebitLamb, OnebitOptimizer, ZeroOneAdam
 
 __all__ = ["CHECKPOINT_KEY", "DEFAULT_TIMEOUT_S", "rank_file"]
 
-CHECKPOINT_KEY = "lightning_optim_onebit"  # in the main checkpoint: how the per-rank files were written
-DEFAULT_TIMEOUT_S = 300.0
 _NOT_OURS = ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper", "model_averaging_period")
-_COMM_FAILURE = re.compile(r"gloo|nccl|connection (closed|reset)|timed out|timeout|socket|broken pipe", re.I)
 
 
-def rank_file(checkpoint_path: Any, rank: int) -> str:
-    """Where rank ``rank`` (>= 1) keeps its own 1-bit state next to the checkpoint."""
-    return f"{checkpoint_path}.rank{rank}.pt"
-
-
-def _timeout(value: Any, owner: str) -> timedelta:
-    if isinstance(value, timedelta):
-        seconds = value.total_seconds()
-    elif isinstance(value, (int, float)) and not isinstance(value, bool):
-        seconds = float(value)
-    else:
-        raise TypeError(f"{owner}: timeout must be a number of seconds or a timedelta, got {value!r}")
-    if not math.isfinite(seconds) or seconds <= 0:
-        raise ValueError(f"{owner}: timeout must be a finite number of seconds > 0, got {seconds}")
-    return timedelta(seconds=seconds)
-
-
-def _drop_error_buffers(states: list[dict[str, Any]]) -> bool:
-    """Remove the error buffers from the optimizer states; whether there were any."""
-    dropped = False
-    for i, state in enumerate(states):
-        onebit = state.get("onebit")
-        if isinstance(onebit, dict):
-            dropped = dropped or onebit.get("worker_error") is not None
-            states[i] = {**state, "onebit": {**onebit, "worker_error": None, "server_error": None}}
-    return dropped
-
-
-def _is_comm_failure(exc: BaseException | None) -> bool:
-    seen = 0
-    while exc is not None and seen < 8:
-        if isinstance(exc, CommunicationError) or isinstance(exc, getattr(dist, "DistError", ())):
-            return True
-        if isinstance(exc, RuntimeError) and _COMM_FAILURE.search(str(exc)):
-            return True
-        exc, seen = exc.__cause__ or exc.__context__, seen + 1
-    return False
-
-
-class _OnebitStrategyMixin:
+class _OnebitStrategyMixin(_PerRankCheckpointMixin, _ByteCountingMixin, _SwitchableAllreduceMixin, _CommFailureMixin):
     """DDP whose gradient allreduce follows ``optimizer.needs_averaged_grads``; see the module doc."""
 
     optimizer_class: ClassVar[type[OnebitOptimizer]]
     telemetry_callback_class: ClassVar[type]  # set by the package-specific module
+    _freeze_arg: ClassVar[str] = "freeze_step"
 
     def __init__(
         self,
@@ -113,44 +69,33 @@ class _OnebitStrategyMixin:
             self.optimizer_class([torch.zeros(1, requires_grad=True)], **self._knobs)
         except (TypeError, ValueError) as exc:
             raise type(exc)(f"{name}: {exc}") from None
-        self._timeout_s = _timeout(timeout, name).total_seconds()
         self._telemetry = telemetry
-        super().__init__(timeout=timedelta(seconds=self._timeout_s), **kwargs)
+        super().__init__(timeout=self._init_timeout(timeout), **kwargs)
         self._onebit: OnebitOptimizer | None = None
-        self._switch: Any = None
-        self._per_rank_model_state: dict[str, Any] | None = None
         self._warned_unsynchronized = False
-        self._trained_numel = 0
-        self._comm_before = CommStats()
-        self.comm_totals = {"steps": 0, "steps_without_ddp_allreduce": 0, "bytes_sent": 0, "fp32_bytes": 0}
-        self.comm_last_step: dict[str, Any] = {}
+        self._init_counting()
 
-    # ------------------------------------------------------------------ public
     @property
     def onebit_optimizer(self) -> OnebitOptimizer | None:
         """The 1-bit optimizer in use (after ``setup``)."""
         return self._onebit
 
-    @property
-    def allreduce_switch(self) -> Any:
-        """The ``SwitchableAllreduceState`` of DDP's comm hook (``enabled``, bucket counters)."""
-        return self._switch
-
-    @property
-    def timeout_s(self) -> float:
-        """The process-group collective timeout in seconds."""
-        return self._timeout_s
-
     def comm_summary(self) -> dict[str, Any]:
-        """Totals of this fit, per rank: bytes sent by the 1-bit path (DDP's switchable allreduce
-        plus the optimizer's own collectives) and what DDP's fp32 ring allreduce would have sent."""
-        t = self.comm_totals
-        return {
-            **t,
-            "compression_ratio": t["fp32_bytes"] / t["bytes_sent"] if t["bytes_sent"] else None,
-            "world_size": self.world_size,
-            "optimizer": type(self._onebit).__name__ if self._onebit is not None else None,
-        }
+        return {**super().comm_summary(),
+                "optimizer": type(self._onebit).__name__ if self._onebit is not None else None}
+
+    # ------------------------------------------------------------------ the concerns' questions
+    def _per_rank_optimizer(self) -> OnebitOptimizer | None:
+        return self._onebit
+
+    def _per_rank_format(self) -> type[OnebitOptimizer]:
+        return OnebitOptimizer  # the split/merge rules are the same for the three classes
+
+    def _grads_need_averaging(self) -> bool:
+        return self._onebit is None or self._onebit.needs_averaged_grads
+
+    def _step_skips_ddp_allreduce(self) -> bool:
+        return self._onebit is not None and not self._onebit.needs_averaged_grads
 
     # ------------------------------------------------------------------ setup
     def setup(self, trainer: Any) -> None:
@@ -166,13 +111,7 @@ class _OnebitStrategyMixin:
                 trainer.callbacks.append(self.telemetry_callback_class())
         super().setup(trainer)
         if fitting:
-            self._comm_before = comm_stats().copy()
-            self.comm_totals = dict.fromkeys(self.comm_totals, 0)
-            self.comm_last_step = {}
-
-    def _register_ddp_hooks(self) -> None:
-        # DDPStrategy registers comm hooks on CUDA only; this one works on every backend.
-        self._switch = register_switchable_allreduce(self.model, group=None, enabled=True)
+            self._start_counting()
 
     def setup_optimizers(self, trainer: Any) -> None:
         super().setup_optimizers(trainer)
@@ -211,26 +150,23 @@ class _OnebitStrategyMixin:
         optimizer.average_grads = False  # DDP's switchable allreduce averages whenever it is needed
         return optimizer
 
-    # ------------------------------------------------------------------ every step
-    def pre_backward(self, closure_loss: torch.Tensor) -> None:
-        if self._switch is not None and self._onebit is not None:
-            self._switch.enabled = self._onebit.needs_averaged_grads
-        super().pre_backward(closure_loss)
-
-    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        local = self._onebit is not None and not self._onebit.needs_averaged_grads
-        output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        now = comm_stats()
-        sent = (now - self._comm_before).bytes_sent
-        self._comm_before = now.copy()
-        fp32 = ring_allreduce_bytes(self._trained_numel, self.world_size)
-        self.comm_last_step = {"bytes_sent": sent, "fp32_bytes": fp32, "ddp_allreduce": not local}
-        totals = self.comm_totals
-        totals["steps"] += 1
-        totals["steps_without_ddp_allreduce"] += int(local)
-        totals["bytes_sent"] += sent
-        totals["fp32_bytes"] += fp32
-        return output
+    # ------------------------------------------------------------------ stage warnings
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        opt, trainer = self._onebit, self.lightning_module.trainer
+        total = trainer.estimated_stepping_batches
+        if opt is None or self.global_rank != 0 or not math.isfinite(total):
+            return
+        freeze = opt._variance_freeze_step()
+        last_step = opt.global_step + max(0, int(total) - trainer.global_step)
+        if last_step <= freeze:
+            warnings.warn(
+                f"{type(self).__name__}: {self._freeze_arg}={freeze}, but this fit ends at optimizer step {last_step}: "
+                "compression will not engage (every step is a full-precision DDP step). Pass "
+                f"{self._freeze_arg}=... below that (e.g. 10-25% of the run) for 1-bit communication",
+                UserWarning,
+                stacklevel=2,
+            )
 
     def on_validation_start(self) -> None:
         super().on_validation_start()
@@ -245,102 +181,6 @@ class _OnebitStrategyMixin:
                     UserWarning,
                     stacklevel=2,
                 )
-
-    # ------------------------------------------------------------------ checkpoints
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
-        """Rank 0 writes the checkpoint (with its own 1-bit state); every other rank writes its
-        error buffers (and, between ZeroOneAdam synchronisations, its whole optimizer state and
-        params) to ``<filepath>.rank<r>.pt``."""
-        states = checkpoint.get("optimizer_states")
-        if states and self._onebit is not None:
-            per_rank = not self._onebit.params_synchronized
-            world, rank = self.world_size, self.global_rank
-            checkpoint[CHECKPOINT_KEY] = {"format": 1, "world_size": world, "per_rank_params": per_rank}
-            if world > 1 and rank != 0:
-                payload = {
-                    "format": 1,
-                    "rank": rank,
-                    "world_size": world,
-                    "optimizer_states": [s if per_rank else {"onebit": s.get("onebit")} for s in states],
-                    "state_dict": checkpoint.get("state_dict") if per_rank else None,
-                }
-                self.checkpoint_io.save_checkpoint(payload, rank_file(filepath, rank), storage_options=storage_options)
-        super().save_checkpoint(checkpoint, filepath, storage_options)
-
-    def remove_checkpoint(self, filepath: Any) -> None:
-        super().remove_checkpoint(filepath)
-        if self.world_size > 1 and self.global_rank != 0:
-            self.checkpoint_io.remove_checkpoint(rank_file(filepath, self.global_rank))
-
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        self._per_rank_model_state = None
-        meta, states = checkpoint.get(CHECKPOINT_KEY), checkpoint.get("optimizer_states")
-        if not isinstance(meta, dict) or not states:
-            return checkpoint
-        name, world, rank = type(self).__name__, self.world_size, self.global_rank
-        if meta["world_size"] != world:
-            dropped = _drop_error_buffers(states)
-            if rank == 0 and (dropped or meta.get("per_rank_params")):
-                extra = (" It was saved between two ZeroOneAdam synchronisations: every rank continues from rank 0's "
-                         "params and momentum." if meta.get("per_rank_params") else "")
-                warnings.warn(
-                    f"{name}: the checkpoint was saved on {meta['world_size']} ranks and training resumes on {world}; "
-                    "the compression error buffers are re-initialised to zero (moments, step counters and the "
-                    f"frozen variance carry over).{extra}",
-                    UserWarning,
-                    stacklevel=2,
-                )
-            return checkpoint
-        if rank == 0:
-            return checkpoint
-        path = rank_file(checkpoint_path, rank)
-        try:
-            payload = self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
-        except FileNotFoundError:
-            payload = None
-        if not payload or payload.get("rank") != rank or payload.get("world_size") != world:
-            _drop_error_buffers(states)
-            warnings.warn(
-                f"[rank {rank}] {name}: {path} is missing or belongs to another rank; this rank's compression error "
-                "buffers are re-initialised to zero",
-                UserWarning,
-                stacklevel=2,
-            )
-            return checkpoint
-        for i, entry in enumerate(payload["optimizer_states"][: len(states)]):
-            if "state" in entry:  # the whole per-rank optimizer state (ZeroOneAdam between syncs)
-                states[i] = entry
-            else:
-                states[i] = {**states[i], "onebit": entry["onebit"]}
-        if payload.get("state_dict") is not None:
-            checkpoint["state_dict"] = payload["state_dict"]
-            self._per_rank_model_state = payload["state_dict"]
-        return checkpoint
-
-    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        super().load_optimizer_state_dict(checkpoint)
-        if self._per_rank_model_state is not None:
-            # DDP broadcast rank 0's params when it wrapped the model; this rank's own come back now.
-            self.lightning_module.load_state_dict(self._per_rank_model_state)
-            self._per_rank_model_state = None
-
-    # ------------------------------------------------------------------ failures
-    def on_exception(self, exception: BaseException) -> None:
-        super().on_exception(exception)
-        if not _is_comm_failure(exception):
-            return
-        first = (str(exception).strip().splitlines() or [""])[0][:300]
-        print(
-            f"[rank {self.global_rank}] {type(self).__name__}: a collective failed ({type(exception).__name__}: "
-            f"{first}). Another rank has probably died or hung; collectives give up after the process-group "
-            f"timeout of {self._timeout_s:.0f}s (strategy argument `timeout`). Stopping this rank.",
-            file=sys.stderr,
-            flush=True,
-        )
-        launcher = self.launcher
-        if launcher is not None and getattr(launcher, "procs", None):
-            launcher.kill(getattr(signal, "SIGKILL", signal.SIGTERM))  # the local ranks this process started
 
 
 class _OnebitAdamMixin(_OnebitStrategyMixin):
@@ -372,6 +212,7 @@ class _ZeroOneAdamMixin(_OnebitStrategyMixin):
     """
 
     optimizer_class = ZeroOneAdam
+    _freeze_arg = "var_freeze_step"
 
     def __init__(
         self,
@@ -410,31 +251,3 @@ class _OnebitLambMixin(_OnebitStrategyMixin):
         knobs = dict(freeze_step=freeze_step, coeff_beta=coeff_beta, factor_max=factor_max,
                      factor_min=factor_min, factor_threshold=factor_threshold)
         super().__init__(knobs=knobs, **kwargs)
-
-
-class _CommTelemetryMixin:
-    """Logs, after every optimizer step: ``comm/bytes_sent`` (this rank, this step),
-    ``comm/fp32_bytes`` (what DDP's fp32 ring allreduce of the trained params sends per step),
-    ``comm/compression_ratio`` (their ratio, on steps that sent anything) and
-    ``comm/compression_ratio_total`` (since the start of the fit)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._seen_steps = 0
-
-    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        self._seen_steps = 0
-
-    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        strategy = trainer.strategy
-        totals = getattr(strategy, "comm_totals", None)
-        if not totals or totals["steps"] == self._seen_steps:
-            return
-        self._seen_steps = totals["steps"]
-        last = strategy.comm_last_step
-        metrics = {"comm/bytes_sent": float(last["bytes_sent"]), "comm/fp32_bytes": float(last["fp32_bytes"])}
-        if last["bytes_sent"]:
-            metrics["comm/compression_ratio"] = last["fp32_bytes"] / last["bytes_sent"]
-        if totals["bytes_sent"]:
-            metrics["comm/compression_ratio_total"] = totals["fp32_bytes"] / totals["bytes_sent"]
-        pl_module.log_dict(metrics, on_step=True, on_epoch=False, prog_bar=False, logger=True, batch_size=1)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from lightning.pytorch import Callback
 
-from lightning_optim.lightning._base import _CommTelemetryMixin
+from lightning_optim.lightning._telemetry import _CommTelemetryMixin
 
 __all__ = ["CommTelemetry"]
 

@@ -11,12 +11,8 @@ from pytorch_lightning import Callback
 from pytorch_lightning.strategies import DDPStrategy
 
 from lightning_optim.lightning import registry as _registry
-from lightning_optim.lightning._base import (
-    _CommTelemetryMixin,
-    _OnebitAdamMixin,
-    _OnebitLambMixin,
-    _ZeroOneAdamMixin,
-)
+from lightning_optim.lightning._base import _OnebitAdamMixin, _OnebitLambMixin, _ZeroOneAdamMixin
+from lightning_optim.lightning._telemetry import _CommTelemetryMixin
 
 __all__ = ["OnebitAdamStrategy", "ZeroOneAdamStrategy", "OnebitLambStrategy", "CommTelemetry", "STRATEGIES"]
 

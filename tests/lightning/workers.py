@@ -61,7 +61,7 @@ def _flat_params(module: torch.nn.Module) -> torch.Tensor:
 
 def _fit(rank: int, world: int, case: str, out: Path, *, max_steps: int, accumulate: int = 1,
          limit_train_batches: int | None = None, ckpt_in: str | None = None, ckpt_out: str | None = None,
-         source: str | None = None, checkpoint_dir: str | None = None) -> dict[str, Any]:
+         source: str | None = None, checkpoint_dir: str | None = None, strategy: Any = None) -> dict[str, Any]:
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.loggers import CSVLogger
@@ -94,7 +94,7 @@ def _fit(rank: int, world: int, case: str, out: Path, *, max_steps: int, accumul
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=world,
-        strategy=getattr(strategies, cls_name)(**kwargs, timeout=60),
+        strategy=strategy if strategy is not None else getattr(strategies, cls_name)(**kwargs, timeout=60),
         max_steps=max_steps,
         accumulate_grad_batches=accumulate,
         limit_train_batches=limit_train_batches,
