@@ -55,7 +55,8 @@ def format_table(summary: dict[str, Any]) -> str:
         ("parameters", f"{summary['num_params']:,}"),
         ("steps", f"{summary['steps']:,}"),
         ("val loss", f"{summary['initial_val_loss']:.3f} -> {summary['final_val_loss']:.3f}"),
-        ("train loss (last step)", f"{summary['final_train_loss']:.3f}"),
+        ("train loss (last step)", "n/a (no training step)" if summary["final_train_loss"] is None
+         else f"{summary['final_train_loss']:.3f}"),
         ("train tokens/s", f"{summary['train_tokens_per_sec']:,.0f}"),
         ("wall time", f"{summary['wall_time_s']:.1f} s"),
     ]

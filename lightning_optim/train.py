@@ -13,6 +13,7 @@ other ranks in the same run directory; only rank 0 writes the outputs.
 
 from __future__ import annotations
 
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -24,6 +25,7 @@ from hydra.core.hydra_config import HydraConfig
 from lightning.pytorch.loggers import CSVLogger
 from omegaconf import DictConfig, OmegaConf
 
+from lightning_optim.config_check import ConfigError, check_config
 from lightning_optim.data import ByteDataModule
 from lightning_optim.model import LanguageModel
 from lightning_optim.report import format_table, plot_losses, write_summary
@@ -83,6 +85,7 @@ def run(config: DictConfig, output_dir: Path) -> dict[str, Any]:
     """Validate, train, validate again if needed; on rank 0 write the outputs. Returns the summary."""
     # Plain containers from here on; a missing mandatory value ("???") fails now, naming its key.
     cfg = OmegaConf.to_container(config, resolve=True, throw_on_missing=True)
+    check_config(cfg)  # a bad value is reported now, with its key, before anything trains
     # The data is one in-memory tensor; DataLoader workers would only compete for the CPU.
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
     # Hydra's run directory always holds .hydra/ already; CSVLogger only rewrites its own files.
@@ -99,13 +102,14 @@ def run(config: DictConfig, output_dir: Path) -> dict[str, Any]:
 
     initial_val = trainer.validate(model, datamodule=datamodule, verbose=False)[0]["val_loss"]
     trainer.fit(model, datamodule=datamodule)
-    final_train = float(trainer.callback_metrics["train_loss"])  # a later validate() clears it
+    train_loss = trainer.callback_metrics.get("train_loss")  # a later validate() clears it
+    final_train = None if train_loss is None else float(train_loss)  # None: no training step (max_steps=0)
     if model.last_val_step != trainer.global_step:  # last scheduled validation was before the end
         trainer.validate(model, datamodule=datamodule, verbose=False)
     summary = {
         "output_dir": str(output_dir),
         "initial_val_loss": float(initial_val),
-        "final_val_loss": float(trainer.callback_metrics["val_loss"]),
+        "final_val_loss": float(trainer.callback_metrics.get("val_loss", initial_val)),  # 0 steps: the initial
         "final_train_loss": final_train,
         "steps": trainer.global_step,
         "tokens": model.tokens_seen,
@@ -129,7 +133,11 @@ def run(config: DictConfig, output_dir: Path) -> dict[str, Any]:
 @hydra.main(config_path=CONFIG_PATH, config_name=CONFIG_NAME, version_base="1.3")
 def main(cfg: DictConfig) -> float:
     """Hydra entry point; returns the final validation loss (what a sweeper would minimise)."""
-    return run(cfg, Path(HydraConfig.get().runtime.output_dir))["final_val_loss"]
+    try:
+        return run(cfg, Path(HydraConfig.get().runtime.output_dir))["final_val_loss"]
+    except ConfigError as exc:  # a few lines, not a traceback
+        print(f"lightning-optim: bad config value: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

@@ -166,9 +166,9 @@ def test_strategy_errors_name_the_strategy_and_the_optimizer():
 @pytest.mark.parametrize(
     "make,error,match",
     [
-        (lambda: OnebitAdamStrategy(freeze_step=-1), ValueError, "OnebitAdamStrategy: freeze_step must be >= 0"),
+        (lambda: OnebitAdamStrategy(freeze_step=-1), ValueError, "OnebitAdamStrategy: freeze_step must be an integer >= 1"),
         (lambda: OnebitAdamStrategy(freeze_step=2.5), TypeError, "freeze_step must be an integer"),
-        (lambda: ZeroOneAdamStrategy(local_step_clipper=0), ValueError, "local_step_clipper must be >= 1"),
+        (lambda: ZeroOneAdamStrategy(local_step_clipper=0), ValueError, "local_step_clipper must be an integer >= 1"),
         (lambda: OnebitLambStrategy(coeff_beta=1.0), ValueError, "coeff_beta"),
         (lambda: OnebitLambStrategy(factor_min=2.0, factor_max=1.0), ValueError, "factor_max"),
         (lambda: OnebitAdamStrategy(timeout=0), ValueError, "timeout"),

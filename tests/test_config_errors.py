@@ -1,0 +1,89 @@
+"""Probe: a bad value in any optimizer or strategy option of the main job is reported before anything
+trains, with its full Hydra key; a zero-step run is valid."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from importlib import resources
+
+import pytest
+from omegaconf import OmegaConf
+
+from lightning_optim.config_check import ConfigError, check_config
+
+CONF = resources.files("lightning_optim") / "conf"
+OPTIMIZERS = sorted(p.name[:-5] for p in (CONF / "optimizer").iterdir() if p.name.endswith(".yaml"))
+STRATEGIES = sorted(p.name[:-5] for p in (CONF / "strategy").iterdir() if p.name.endswith(".yaml"))
+BAD = ["abc", float("nan"), -1.0]
+
+
+def _numeric_fields(options: dict) -> list[str]:
+    return [k for k, v in options.items() if not k.startswith("_") and not isinstance(v, bool)
+            and isinstance(v, (int, float))]
+
+
+def _cases():
+    for option in OPTIMIZERS:
+        yield "optimizer", option
+    for option in STRATEGIES:
+        yield "strategy", option
+
+
+def _compose(compose_train, group: str, option: str) -> dict:
+    if group == "optimizer":
+        other = "strategy=auto"
+    else:  # an optimizer the strategy converts
+        other = "optimizer=fused_lamb" if option == "onebit_lamb" else "optimizer=adamw"
+    return OmegaConf.to_container(compose_train(f"{group}={option}", other), resolve=True)
+
+
+@pytest.mark.parametrize("group,option", list(_cases()))
+def test_every_numeric_field_is_checked_up_front_with_its_key(compose_train, group, option):
+    base = _compose(compose_train, group, option)
+    check_config(base)  # the option as shipped is valid
+    options = base[group] if group == "optimizer" else base["strategy"]
+    fields = _numeric_fields(options)
+    if group == "optimizer":
+        assert "lr" in fields, option
+    for field in fields:
+        for bad in BAD:  # none of the shipped numeric fields admits a string, NaN or a negative value
+            cfg = _compose(compose_train, group, option)
+            cfg[group][field] = bad
+            with pytest.raises(ConfigError) as info:
+                check_config(cfg)
+            assert str(info.value).startswith(f"{group}.{field}: "), (option, field, bad, str(info.value))
+
+
+def test_scheduler_and_steps(compose_train):
+    cfg = OmegaConf.to_container(compose_train("strategy=auto", "trainer.max_steps=0"), resolve=True)
+    with pytest.raises(ConfigError, match=r"^trainer.max_steps: .* set scheduler=null"):
+        check_config(cfg)
+    cfg["scheduler"] = None
+    check_config(cfg)  # a zero-step run without a scheduler is valid
+    for key, bad in (("warmup_steps", -3), ("min_lr_ratio", 1.5), ("warmup_steps", "x")):
+        cfg = OmegaConf.to_container(compose_train("strategy=auto"), resolve=True)
+        cfg["scheduler"][key] = bad
+        with pytest.raises(ConfigError, match=rf"^scheduler.{key}: "):
+            check_config(cfg)
+
+
+def _job(*overrides: str, cwd) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "lightning_optim.train", "trainer=smoke", *overrides],
+                          cwd=cwd, capture_output=True, text=True, timeout=300)
+
+
+def test_the_job_exits_with_the_key_before_training(tmp_path):
+    for overrides, key in ((("optimizer.lr=-1",), "optimizer.lr"), (("strategy.freeze_step=0",), "strategy.freeze_step"),
+                           (("optimizer=torch_adamw", "optimizer.eps=-1"), "optimizer.eps")):
+        done = _job(*overrides, cwd=tmp_path)
+        assert done.returncode == 2, (overrides, done.stderr[-2000:])
+        lines = [line for line in done.stderr.splitlines() if line.strip()]
+        assert lines[-1].startswith(f"lightning-optim: bad config value: {key}: "), lines[-5:]
+        assert "Traceback" not in done.stderr and "val_loss" not in done.stdout  # nothing validated or trained
+
+
+def test_a_zero_step_run_reports(tmp_path):
+    done = _job("trainer.max_steps=0", "scheduler=null", "strategy=auto", "trainer.devices=1", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "train loss (last step)  n/a (no training step)" in done.stdout
