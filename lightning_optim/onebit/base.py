@@ -63,6 +63,8 @@ class OnebitOptimizer(OnebitStateDictMixin, MomentumMaskMixin, BaseOptimizer):
     _flat_keys: tuple[str, ...] = ("exp_avg", "exp_avg_sq")
     _lazy_flat_keys: tuple[str, ...] = ()  # flat states created only in a later stage
     _plain_state_extras: tuple[str, ...] = ()  # per-param keys a full-precision state may bring along
+    _optional_state_keys: tuple[str, ...] = ()  # per-param keys made in a later stage (not flat)
+    _per_param_steps = False  # the schedule holds the step count
 
     def __init__(
         self,
@@ -149,8 +151,13 @@ class OnebitOptimizer(OnebitStateDictMixin, MomentumMaskMixin, BaseOptimizer):
     def _release_blocker(self) -> str | None:
         return "1-bit optimizers communicate the whole model's momentum at once"
 
-    def _compute_dtype(self, group: dict[str, Any], p: Tensor) -> torch.dtype:
+    def _configured_compute_dtype(self, group: dict[str, Any], p: Tensor) -> torch.dtype:
         return torch.float32  # states, error buffers and communication are fp32 for every param dtype
+
+    def _state_keys(self, group: dict[str, Any], p: Tensor) -> tuple[set[str], set[str]]:
+        scalars: dict[str, Any] = {}
+        self._init_param_state(group, torch.empty_like(p, device="meta"), scalars)
+        return set(self._flat_keys), set(self._lazy_flat_keys) | set(scalars) | set(self._optional_state_keys)
 
     # ------------------------------------------------------------------ the DDP contract
     @property

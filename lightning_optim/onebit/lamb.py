@@ -89,6 +89,7 @@ class OnebitLamb(OnebitOptimizer):
 
     _lazy_flat_keys = ("exp_avg_sq_fresh",)
     _plain_state_extras = ("lamb_coeff",)  # Lamb's last trust ratio, the same quantity
+    _optional_state_keys = ("scaling_coeff",)  # made at the first compression step
 
     def __init__(
         self,

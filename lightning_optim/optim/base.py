@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_optim.optim.state_dicts import prepare_state_dict
 from lightning_optim.optim.validation import (
     check_flag,
     check_non_negative,
@@ -110,9 +111,10 @@ class BaseOptimizer(torch.optim.Optimizer):
     def _check_group(self, group: dict[str, Any]) -> None:
         """Subclasses check their own hyper-parameters here (raise ValueError/TypeError)."""
 
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        merged = {**self.defaults, **param_group}
-        params = param_group["params"]
+    def _validate_group(self, merged: dict[str, Any]) -> dict[str, Any]:
+        """Check a group (defaults merged in); returns the keys to add (``max_lr``). Raises
+        ValueError/TypeError naming the argument; shared by ``add_param_group`` and loading."""
+        params = merged["params"]
         params = [params] if isinstance(params, Tensor) else list(params)
         for p in params:
             if isinstance(p, Tensor) and p.is_complex():
@@ -127,11 +129,16 @@ class BaseOptimizer(torch.optim.Optimizer):
         for flag in ("kahan_sum", "foreach", "fp32_state"):
             if flag in merged:
                 check_optional_flag(flag, merged[flag])
+        added = {}
         if merged.get("decouple_lr") and merged.get("max_lr") is None:
-            param_group = {**param_group, "max_lr": float(merged["lr"])}
+            added["max_lr"] = float(merged["lr"])
         elif merged.get("max_lr") is not None:
             check_positive("max_lr", merged["max_lr"])
-        self._check_group(merged)
+        self._check_group({**merged, **added})
+        return added
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        param_group = {**param_group, **self._validate_group({**self.defaults, **param_group})}
         self._group_index = None
         self.__dict__.setdefault("_plans", {}).clear()
         super().add_param_group(param_group)
@@ -173,13 +180,15 @@ class BaseOptimizer(torch.optim.Optimizer):
                 loss = closure()
         if self._released:
             return loss
-        # Collect and check every gradient first: bad input must not leave a half-done step.
+        # Collect and check every gradient and every state first: bad input or state must not leave
+        # a half-done step (no step counter moves before all of them passed).
         work = [(group, *self._params_with_grad(group)) for group in self.param_groups]
+        plans = [self._plan(group, params) if params else [] for group, params, _ in work]
         self._before_step([(group, params) for group, params, _ in work])
         try:
-            for group, params, grads in work:
+            for (group, params, grads), plan in zip(work, plans):
                 if params:
-                    self._step_params(group, params, grads)
+                    self._step_params(group, params, grads, plan)
         finally:
             self._after_step()
         return loss
@@ -208,10 +217,20 @@ class BaseOptimizer(torch.optim.Optimizer):
                 grads.append(g)
         return params, grads
 
-    def _compute_dtype(self, group: dict[str, Any], p: Tensor) -> torch.dtype:
+    def _configured_compute_dtype(self, group: dict[str, Any], p: Tensor) -> torch.dtype:
+        """The dtype of the states this optimizer creates for ``p``."""
         if p.dtype in LOW_PRECISION and group.get("fp32_state"):
             return torch.float32
         return p.dtype
+
+    def _compute_dtype(self, group: dict[str, Any], p: Tensor) -> torch.dtype:
+        """The configured dtype, or fp32 where a loaded fp32 state of a 16-bit param says so."""
+        dtype = self._configured_compute_dtype(group, p)
+        if dtype != torch.float32:
+            for key, value in self.state.get(p, {}).items():
+                if key != "kahan_comp" and isinstance(value, Tensor) and value.dim() and value.dtype == torch.float32:
+                    return torch.float32
+        return dtype
 
     def _uses_kahan(self, group: dict[str, Any], p: Tensor) -> bool:
         if group.get("kahan_sum") and p.dtype not in LOW_PRECISION and not self._warned_kahan:
@@ -261,15 +280,19 @@ class BaseOptimizer(torch.optim.Optimizer):
                 by_key.setdefault(bucket_key, []).append(i)
             indices = list(by_key.values())
         plan = [(idx, [states[i] for i in idx], self._compute_dtype(group, params[idx[0]])) for idx in indices]
+        for idx, bucket_states, dtype in plan:
+            for i, state in zip(idx, bucket_states):
+                _check_state(params[i], state, dtype, i)
         for idx, bucket_states, _ in plan:
             _pack_states([params[i] for i in idx], bucket_states)
         self._plans[id(group)] = (key, plan)
         return plan
 
-    def _step_params(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor]) -> None:
+    def _step_params(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor],
+                     plan: list | None = None) -> None:
         apply = not self._optimizer_accumulation
         maximize = group.get("maximize")
-        for idx, states, dtype in self._plan(group, params):
+        for idx, states, dtype in plan if plan is not None else self._plan(group, params):
             bucket_grads = [grads[i] for i in idx]
             if maximize:
                 bucket_grads = torch._foreach_neg(bucket_grads)
@@ -365,28 +388,35 @@ class BaseOptimizer(torch.optim.Optimizer):
         return None
 
     # ------------------------------------------------------------------ state dicts
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load like torch, but keep every state tensor's saved dtype and own a copy.
+    # A state dict without per-param step counts (torch's SGD) stands for this many steps (None: refused).
+    _implied_step: int | None = None
+    _per_param_steps = True  # False: the step count lives elsewhere (the 1-bit optimizers' schedule)
 
-        torch casts floating-point state to the param dtype (fp32 moments or master weights of
-        a bf16 param would be rounded to bf16), and keeps same-dtype tensors shared with the
-        given dict (two optimizers loaded from one in-memory dict would update one buffer).
-        Every state tensor is therefore copied from the saved one, in its saved dtype.
+    def _state_keys(self, group: dict[str, Any], p: Tensor) -> tuple[set[str], set[str]]:
+        """The per-param state keys a loaded dict must hold for ``p`` and those it may hold (besides
+        ``step`` and ``kahan_comp``): what ``_init_state`` makes, run on a meta copy of ``p``."""
+        made: dict[str, Any] = {}
+        self._init_state(group, torch.empty_like(p, device="meta"), made, self._configured_compute_dtype(group, p))
+        return set(made), set()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load ours or torch.optim's state dict of the same algorithm, atomically.
+
+        Everything is checked and converted first (:mod:`lightning_optim.optim.state_dicts`: the
+        group keys, the per-param state keys, shapes and the dtype rules); a refused dict changes
+        nothing. Every state tensor is a fresh copy in its decided dtype (torch would cast fp32
+        moments of a bf16 param down, and share same-dtype tensors with the given dict).
         """
-        saved_state = state_dict["state"]
-        super().load_state_dict(state_dict)
+        prepared = prepare_state_dict(self, state_dict)
+        super().load_state_dict(prepared)
         self._group_index = None
         self._plans.clear()  # new group and state dicts
         params = [p for group in self.param_groups for p in group["params"]]
-        saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
+        saved_ids = [i for group in prepared["param_groups"] for i in group["params"]]
         for p, saved_id in zip(params, saved_ids):
-            saved = saved_state.get(saved_id)
-            if saved is None:
-                continue
-            state = self.state[p]
-            for key, value in saved.items():
-                if isinstance(value, Tensor):
-                    state[key] = value.to(device=p.device, copy=True)
+            saved = prepared["state"].get(saved_id)
+            if saved is not None:
+                self.state[p] = dict(saved)  # torch's casts replaced by the decided dtypes
 
 
 def _pack_states(params: list[Tensor], states: list[dict[str, Any]]) -> None:
@@ -417,6 +447,21 @@ def _pack_states(params: list[Tensor], states: list[dict[str, Any]]) -> None:
             view.copy_(t)
             s[name] = view
             offset += t.numel()
+
+
+def _check_state(p: Tensor, state: dict[str, Any], dtype: torch.dtype, index: int) -> None:
+    """A param's state tensors must fit it before a step uses them (else nothing is stepped)."""
+    for key, value in state.items():
+        if not isinstance(value, Tensor) or value.dim() == 0:
+            continue
+        want = p.dtype if key == "kahan_comp" else dtype
+        if tuple(value.shape) != tuple(p.shape) or value.device != p.device or (
+                value.is_floating_point() and value.dtype != want):
+            raise ValueError(
+                f"state: param {index} of its group has {key} of shape {tuple(value.shape)}, {value.dtype} on "
+                f"{value.device}; a step needs shape {tuple(p.shape)}, {want} on {p.device} (set by the "
+                "state dict loaded or by hand?)"
+            )
 
 
 def _check_grad(grad: Tensor) -> None:

@@ -48,6 +48,8 @@ class SGD(BaseOptimizer):
     not used as L2). ``wd_after_momentum`` is ColossalAI/apex FusedSGD's flag.
     """
 
+    _implied_step = 1  # torch's SGD keeps no step count; a momentum buffer means >= 1 step
+
     def __init__(
         self,
         params: ParamsT,
