@@ -56,7 +56,11 @@ class FusedAdam(Adam):
 
 
 class CPUAdam(Adam):
-    """DeepSpeed ``DeepSpeedCPUAdam``: AdamW by default; fp32 states for fp16/bf16 params by default."""
+    """DeepSpeed ``DeepSpeedCPUAdam``: AdamW by default; fp32 states for fp16/bf16 params by default.
+
+    ``fp32_optimizer_states`` (DeepSpeed's name) and ``fp32_state`` (ours) are one setting: give
+    either (default True); both with different values is a ``ValueError``.
+    """
 
     def __init__(
         self,
@@ -68,9 +72,18 @@ class CPUAdam(Adam):
         weight_decay: float = 0.0,
         amsgrad: bool = False,
         adamw_mode: bool = True,
-        fp32_optimizer_states: bool = True,
+        fp32_optimizer_states: bool | None = None,
         **flags: Any,
     ) -> None:
+        ours = flags.pop("fp32_state", None)
+        if fp32_optimizer_states is not None:
+            check_flag("fp32_optimizer_states", fp32_optimizer_states)
+        if ours is not None:
+            check_flag("fp32_state", ours)
+        if ours is not None and fp32_optimizer_states is not None and ours != fp32_optimizer_states:
+            raise ValueError(f"fp32_state={ours} contradicts fp32_optimizer_states={fp32_optimizer_states}: "
+                             "they are one setting, give one of them")
+        fp32 = next((v for v in (fp32_optimizer_states, ours) if v is not None), True)
         super().__init__(
             model_params,
             lr,
@@ -80,7 +93,7 @@ class CPUAdam(Adam):
             amsgrad,
             adam_w_mode=check_flag("adamw_mode", adamw_mode),
             bias_correction=bias_correction,
-            fp32_state=check_flag("fp32_optimizer_states", fp32_optimizer_states),
+            fp32_state=fp32,
             **flags,
         )
 

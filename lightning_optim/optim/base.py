@@ -39,6 +39,7 @@ from lightning_optim.optim.validation import (
     check_non_negative,
     check_optional_flag,
     check_positive,
+    plain_numbers,
 )
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -105,7 +106,7 @@ class BaseOptimizer(torch.optim.Optimizer):
         self._warned_kahan = False
         self._plans: dict[int, tuple[tuple, list]] = {}
         self._group_index: dict[int, int] | None = None
-        super().__init__(params, defaults)
+        super().__init__(params, {k: plain_numbers(v) for k, v in defaults.items()})
 
     # ------------------------------------------------------------------ validation
     def _check_group(self, group: dict[str, Any]) -> None:
@@ -138,6 +139,7 @@ class BaseOptimizer(torch.optim.Optimizer):
         return added
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        param_group = {k: v if k == "params" else plain_numbers(v) for k, v in param_group.items()}
         param_group = {**param_group, **self._validate_group({**self.defaults, **param_group})}
         self._group_index = None
         self.__dict__.setdefault("_plans", {}).clear()

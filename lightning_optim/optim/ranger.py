@@ -13,7 +13,7 @@ from torch import Tensor
 
 from lightning_optim.optim.base import BaseOptimizer, Batch, ParamsT
 from lightning_optim.optim.radam import RAdam
-from lightning_optim.optim.validation import check_positive
+from lightning_optim.optim.validation import check_int, check_positive
 
 __all__ = ["Ranger", "lookahead_sync"]
 
@@ -114,11 +114,7 @@ class Ranger(RAdam):
 
     def _check_group(self, group: dict[str, Any]) -> None:
         super()._check_group(group)
-        k = group["k"]
-        if isinstance(k, bool) or not isinstance(k, int):
-            raise TypeError(f"k must be an int in [1, inf), got {k!r}")
-        if k < 1:
-            raise ValueError(f"k must be in [1, inf), got {k}")
+        check_int("k", group["k"], 1)
         alpha = check_positive("alpha", group["alpha"])
         if alpha > 1:
             raise ValueError(f"alpha must be in (0, 1], got {alpha}")

@@ -6,7 +6,9 @@ looks the param group up at call time, so LR schedulers keep driving the update,
 become no-ops, so training loops that call them keep working.
 
 Single-process only for now: under DDP a post-accumulate hook sees the local, un-averaged
-gradient, so ranks would silently diverge.
+gradient, so ranks would silently diverge. The check holds whenever a hook fires, not only when the
+hooks are registered: hooks prepared before the process group existed (e.g. before ``Accelerator()``)
+and then run under a world size > 1 raise before stepping anything.
 
 Limits: anything that needs all gradients at once after backward (global-norm clipping,
 GradScaler unscaling, gradient accumulation across backward calls) does not see the gradients;
@@ -21,6 +23,17 @@ from torch import Tensor, nn
 from lightning_optim.optim.base import BaseOptimizer
 
 _HANDLES_ATTR = "_lightning_optim_release"
+
+
+def _refuse_distributed() -> None:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        world = torch.distributed.get_world_size()
+        if world > 1:
+            raise RuntimeError(
+                f"gradient release is single-process for now: with {world} ranks its hooks would step "
+                "un-averaged local gradients and the ranks would drift apart (remove_gradient_release, "
+                "or train without it under DDP)"
+            )
 
 
 def prepare_for_gradient_release(model: nn.Module, optimizer: BaseOptimizer) -> None:
@@ -39,12 +52,7 @@ def prepare_for_gradient_release(model: nn.Module, optimizer: BaseOptimizer) -> 
         raise ValueError(f"optimizer: gradient release is not possible: {blocker}")
     if getattr(model, _HANDLES_ATTR, None) is not None:
         raise RuntimeError("model: gradient release is already prepared; call remove_gradient_release first")
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        if torch.distributed.get_world_size() > 1:
-            raise RuntimeError(
-                "gradient release is single-process for now: under DDP the hooks would see "
-                "un-averaged local gradients"
-            )
+    _refuse_distributed()
     model_params = {id(p) for p in model.parameters()}
     opt_params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
     missing = [i for i, p in enumerate(opt_params) if id(p) not in model_params]
@@ -52,6 +60,7 @@ def prepare_for_gradient_release(model: nn.Module, optimizer: BaseOptimizer) -> 
         raise ValueError(f"model: {len(missing)} optimizer parameters are not parameters of the model")
 
     def hook(p: Tensor) -> None:
+        _refuse_distributed()  # the process group may have appeared after the hooks were registered
         optimizer.step_param(p)
         p.grad = None
 

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from lightning_optim.optim.base import BaseOptimizer, Batch, ParamsT
-from lightning_optim.optim.validation import check_flag, check_non_negative, check_positive
+from lightning_optim.optim.validation import check_flag, check_int, check_non_negative, check_positive
 
 __all__ = ["SparsifiedSGD"]
 
@@ -106,11 +106,7 @@ class SparsifiedSGD(BaseOptimizer):
         super().__init__(params, defaults)
 
     def _check_group(self, group: dict[str, Any]) -> None:
-        k = group["sparse_grad_size"]
-        if isinstance(k, bool) or not isinstance(k, int):
-            raise TypeError(f"sparse_grad_size must be an int in [1, inf), got {k!r}")
-        if k < 1:
-            raise ValueError(f"sparse_grad_size must be in [1, inf), got {k}")
+        check_int("sparse_grad_size", group["sparse_grad_size"], 1)
         check_flag("random_sparse", group["random_sparse"])
         check_flag("wd_in_memory", group["wd_in_memory"])
         if group["mode"] is not None and group["mode"] not in MODES:

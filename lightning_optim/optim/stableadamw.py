@@ -112,7 +112,8 @@ class StableAdamW(BaseOptimizer):
         ratio = torch._foreach_mul(grads, grads)
         torch._foreach_div_(ratio, torch._foreach_clamp_min(v_hat, eps * eps))
         mean_dtype = torch.float32 if batch.compute_dtype in LOW_PRECISION else None
-        means = torch.stack([r.mean(dtype=mean_dtype) for r in ratio]).tolist()
+        stacked = torch.stack([r.mean(dtype=mean_dtype) for r in ratio])
+        means = [0.0] * len(ratio) if stacked.is_meta else stacked.tolist()  # meta: shapes only, no clip
         del ratio
         lrs = self._clipped_lrs(group, means)
 

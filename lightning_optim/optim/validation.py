@@ -58,6 +58,24 @@ def check_betas(betas: Sequence[float], count: int = 2, name: str = "betas") -> 
     return tuple(check_unit_interval(f"{name}[{i}]", b) for i, b in enumerate(betas))
 
 
+def check_int(name: str, value: object, minimum: int) -> int:
+    """``value`` must be an integer (Python or numpy) >= ``minimum``."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int in [{minimum}, inf), got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be in [{minimum}, inf), got {value}")
+    return int(value)
+
+
+def plain_numbers(value: object) -> object:
+    """numpy scalars (also inside tuples/lists) as Python numbers, so groups hold what torch expects."""
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, (tuple, list)) and any(isinstance(v, np.generic) for v in value):
+        return type(value)(v.item() if isinstance(v, np.generic) else v for v in value)
+    return value
+
+
 def check_flag(name: str, value: object) -> bool:
     """``value`` must be a bool (catches strings such as ``"false"`` from configs)."""
     if not isinstance(value, bool):

@@ -1,0 +1,25 @@
+"""Gradient release prepared before the process group exists, then run under DDP on 2 real gloo
+ranks launched by torchrun: the hooks refuse to step un-averaged gradients, on every rank, before
+anything changes (they used to step silently and the ranks drifted apart)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.distributed import free_port
+
+SCRIPT = Path(__file__).with_name("release_script.py")
+
+
+def test_release_hooks_refuse_un_averaged_gradients_on_every_rank(tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+           str(free_port()), str(SCRIPT)]
+    done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = sorted(line for line in done.stdout.splitlines() if line.startswith("rank "))
+    assert len(lines) == 2, done.stdout
+    for line in lines:
+        assert "unchanged=True state=0" in line, line
+        assert "gradient release is single-process for now: with 2 ranks" in line, line
