@@ -110,8 +110,12 @@ HOST_DEVICE LO_INLINE float lerp(float self, float end, float w) {
   return (w < 0.5f && w > -0.5f) ? self + w * diff : end - diff * (1.0f - w);
 }
 
-HOST_DEVICE LO_INLINE float sign_of(float x) {  // torch.sign: -1, 0, +1 (NaN stays NaN)
-  return x > 0.0f ? 1.0f : (x < 0.0f ? -1.0f : x * 0.0f);
+// -1, 0, +1 for finite x; NaN for NaN and +-Inf (x - x), so a non-finite value propagates into
+// the step as torch's own optimizers propagate it (torch.sign would give 0 for NaN: a silent freeze).
+// The torch path: lightning_optim/optim/sign_sgd.py propagating_sign.
+HOST_DEVICE LO_INLINE float sign_of(float x) {
+  float s = x > 0.0f ? 1.0f : (x < 0.0f ? -1.0f : 0.0f);
+  return s + (x - x);
 }
 
 }  // namespace lo

@@ -9,6 +9,7 @@ import torch
 
 from lightning_optim import ops
 from lightning_optim.optim.base import BaseOptimizer, Batch, ParamsT
+from lightning_optim.optim.sign_sgd import propagating_sign
 from lightning_optim.optim.validation import check_betas
 
 __all__ = ["Lion"]
@@ -27,7 +28,8 @@ class Lion(BaseOptimizer):
     where the decay is always decoupled: :math:`\kappa = \eta\lambda`, or, with ``decouple_lr``,
     :math:`\kappa = \lambda\eta/\eta_{max}` (fully decoupled). The decay is applied to the
     parameter before the sign step (:math:`p(1-\kappa) - \eta\,\mathrm{sign}(c)`). There is no
-    bias correction; :math:`\mathrm{sign}(0) = 0`.
+    bias correction; :math:`\mathrm{sign}(0) = 0`, and a NaN or Inf in :math:`c` gives a NaN step
+    (propagated, as torch's optimizers propagate it; ``torch.sign`` alone would freeze the coordinate).
 
     Lion's update has a larger norm than Adam's: the paper uses an lr 3-10x smaller than
     AdamW's and a weight decay 3-10x larger, so that :math:`\eta\lambda` stays the same.
@@ -87,8 +89,7 @@ class Lion(BaseOptimizer):
         exp_avg = batch.state("exp_avg")
         if apply:
             # the sign of the interpolation, taken before the moving average moves on
-            deltas = torch._foreach_lerp(exp_avg, batch.grads, 1 - beta1)
-            torch._foreach_sign_(deltas)
+            deltas = propagating_sign(torch._foreach_lerp(exp_avg, batch.grads, 1 - beta1))
             torch._foreach_mul_(deltas, -group["lr"])
         torch._foreach_lerp_(exp_avg, batch.grads, 1 - beta2)
         if apply:

@@ -5,12 +5,25 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from lightning_optim.optim.base import BaseOptimizer, Batch, ParamsT
 from lightning_optim.optim.sgd import momentum_direction
 from lightning_optim.optim.validation import check_flag, check_non_negative, check_unit_interval
 
 __all__ = ["SignSGD"]
+
+
+def propagating_sign(xs: list[Tensor]) -> list[Tensor]:
+    """``sign(x)`` per element, NaN where ``x`` is NaN or +-Inf (``sign(x) + 0 * x``).
+
+    ``torch.sign(nan)`` is 0: a sign step would freeze a coordinate whose momentum became NaN while
+    the param stays finite. Here a non-finite value propagates, as in torch's own optimizers (an Inf
+    gradient makes Adam's param NaN), identically to the compiled kernels' ``sign_of``.
+    """
+    signs = torch._foreach_sign(xs)
+    torch._foreach_add_(signs, torch._foreach_mul(xs, 0.0))
+    return signs
 
 
 class SignSGD(BaseOptimizer):
@@ -91,7 +104,7 @@ class SignSGD(BaseOptimizer):
         d = momentum_direction(group, batch, self.with_l2(batch, l2))
         if not apply:
             return
-        deltas = torch._foreach_sign(d)
+        deltas = propagating_sign(d)
         torch._foreach_mul_(deltas, -group["lr"])
         decay = self.decoupled_decay(group) if group["decouple_lr"] else 0.0
         self._apply(batch, deltas, decay=decay)

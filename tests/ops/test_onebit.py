@@ -126,7 +126,9 @@ def test_piece_kernels_match_torch_fallback(world, backend, ext, monkeypatch):
     names = ["sums", "scales", "err", "packed", "out", "server sums", "server err"]
     for name, a, b in zip(names, kernel, torch_path):
         if name in ("sums", "server sums"):
-            torch.testing.assert_close(a.cpu(), b.cpu(), rtol=1e-6, atol=0, msg=name)
+            # fp32 sums of squares in another order (the SIMD lane count depends on the CPU)
+            rel = ((a.cpu().double() - b.cpu().double()).abs() / b.cpu().double().abs().clamp_min(1e-30)).max().item()
+            assert rel < 1e-5, (name, rel)
         elif name == "scales":
             torch.testing.assert_close(a.cpu(), b.cpu(), rtol=2e-7, atol=0, msg=name)
         else:  # given equal scales the element-wise results are bitwise equal; the scales may differ by an ulp
