@@ -24,6 +24,8 @@ import torch
 import lightning_optim.optim as lo
 from lightning_optim import ops
 from lightning_optim.comm import packing
+from lightning_optim.comm import pieces as passes
+from lightning_optim.comm.plan import plan_for
 
 GB = 1e9
 
@@ -172,16 +174,25 @@ def onebit_case(ext, n, repeat):
     nbytes = 20.125 * n
     base = timed(torch_compress, repeat)
     row("torch ops (add, norm, ge, pack, unpack, sub)", base, None, nbytes, top)
-    t = timed(lambda: ext.onebit_compress(x, err, packed), repeat)
+    # the compiled passes of compressed_allreduce's worker, one segment (n a multiple of 8: no padding)
+    pieces = plan_for(n, 1, None).worker.on(x.device)
+
+    def kernel_compress():
+        scales = pieces.scales(passes.sumsq(x, err, pieces))
+        passes.compress(x, err, packed, scales, pieces, add_err=True)
+
+    t = timed(kernel_compress, repeat)
     row("kernel: compress + pack (scale = |z|/sqrt(n))", t, base, nbytes, top)
     print(f"  {'':44s} = {4 * n / t / GB:.1f} GB/s of fp32 input")
-    t1 = timed(lambda: ext.onebit_compress(x, err, packed, 0.5), repeat)
+    given = torch.full((1,), 0.5)
+    t1 = timed(lambda: passes.compress(x, err, packed, given, pieces, add_err=True), repeat)
     row("kernel: compress + pack, scale given (1 pass)", t1, base, 12.125 * n, top)
 
     out = torch.empty(n)
     base = timed(lambda: packing.unpack_into(packed, out, table, index), repeat)
     row("unpack: torch (256x8 table, index_select)", base, None, 4.125 * n, top)
-    t = timed(lambda: ext.onebit_unpack(packed, out, 1.0), repeat)
+    ones = torch.ones(1)
+    t = timed(lambda: passes.unpack(packed, ones, out, pieces), repeat)
     row("unpack: kernel", t, base, 4.125 * n, top)
     print(f"  {'':44s} = {4 * n / t / GB:.1f} GB/s of fp32 output")
     t = timed(lambda: ext.onebit_unpack_table(packed, table, out), repeat)

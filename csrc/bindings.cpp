@@ -276,21 +276,37 @@ bool with_cuda() {
 
 }  // namespace
 
+// Every argument is named: the Python wrappers (lightning_optim/ops/fused.py) pass them by keyword,
+// so a swapped pair of scalars is an error, not a silently different update.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using namespace pybind11::literals;
   m.doc() = "lightning-optim fused optimizer and 1-bit kernels (CPU, and CUDA when built with it)";
   m.def("with_cuda", &with_cuda);
-  m.def("cpu_roof", &cpu_roof);
-  m.def("all_contiguous", &all_contiguous);
-  m.def("adam", &adam);
-  m.def("sgd", &sgd);
-  m.def("lion", &lion);
-  m.def("adan", &adan);
-  m.def("lamb_moments", &lamb_moments);
-  m.def("lamb_apply", &lamb_apply);
-  m.def("lars_norms", &lars_norms);
-  m.def("lars", &lars);
-  m.def("stable_moments", &stable_moments);
-  m.def("stable_apply", &stable_apply);
+  m.def("cpu_roof", &cpu_roof, "a"_a, "b"_a, "c"_a, "d"_a);
+  m.def("all_contiguous", &all_contiguous, "a"_a, "b"_a);
+  m.def("adam", &adam, "params"_a, "grads"_a, "exp_avgs"_a, "exp_avg_sqs"_a, "max_exp_avg_sqs"_a,
+        "kahan_comps"_a, "param_copies"_a, "w1"_a, "beta2"_a, "c2"_a, "step"_a, "sqrt_bc2"_a, "eps"_a,
+        "l2"_a, "keep"_a, "neg_decay"_a, "apply"_a);
+  m.def("sgd", &sgd, "params"_a, "grads"_a, "momentum_buffers"_a, "kahan_comps"_a, "momentum"_a,
+        "damp_keep"_a, "l2_pre"_a, "l2_post"_a, "neg_lr"_a, "first"_a, "nesterov"_a, "keep"_a,
+        "neg_decay"_a, "apply"_a);
+  m.def("lion", &lion, "params"_a, "grads"_a, "exp_avgs"_a, "kahan_comps"_a, "w1"_a, "w2"_a, "neg_lr"_a,
+        "keep"_a, "neg_decay"_a, "apply"_a);
+  m.def("adan", &adan, "params"_a, "grads"_a, "exp_avgs"_a, "exp_avg_diffs"_a, "exp_avg_sqs"_a,
+        "prev_grads"_a, "kahan_comps"_a, "w1"_a, "w2"_a, "beta2"_a, "beta3"_a, "c3"_a, "bc1"_a, "n_coef"_a,
+        "sqrt_bc3"_a, "eps"_a, "step"_a, "first"_a, "keep"_a, "neg_decay"_a, "apply"_a);
+  m.def("lamb_moments", &lamb_moments, "params"_a, "grads"_a, "exp_avgs"_a, "exp_avg_sqs"_a, "clip_div"_a,
+        "l2"_a, "beta1"_a, "m_coef"_a, "beta2"_a, "c2"_a, "bc1"_a, "bc2"_a, "eps"_a, "wd"_a,
+        "eps_inside_sqrt"_a, "norms"_a);
+  m.def("lamb_apply", &lamb_apply, "params"_a, "exp_avgs"_a, "exp_avg_sqs"_a, "kahan_comps"_a, "scales"_a,
+        "bc1"_a, "bc2"_a, "eps"_a, "wd"_a, "eps_inside_sqrt"_a);
+  m.def("lars_norms", &lars_norms, "params"_a, "grads"_a);
+  m.def("lars", &lars, "params"_a, "grads"_a, "momentum_buffers"_a, "kahan_comps"_a, "scales"_a, "wd"_a,
+        "lo_clip"_a, "hi_clip"_a, "momentum"_a, "first"_a, "apply"_a);
+  m.def("stable_moments", &stable_moments, "params"_a, "grads"_a, "exp_avgs"_a, "exp_avg_sqs"_a, "w1"_a,
+        "beta2"_a, "c2"_a, "bc2"_a, "eps_sq"_a, "rms"_a);
+  m.def("stable_apply", &stable_apply, "params"_a, "exp_avgs"_a, "exp_avg_sqs"_a, "kahan_comps"_a,
+        "scales"_a, "keeps"_a, "neg_decays"_a, "bc2"_a, "eps"_a);
   lo_bind::register_onebit(m);
 }
 

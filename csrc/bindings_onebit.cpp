@@ -1,5 +1,6 @@
-// The 1-bit compression bindings: flat buffers (one scale) and pieces of flat buffers (one scale per
-// piece, lightning_optim/comm/pieces.py). Every argument is checked before any tensor is touched.
+// The 1-bit compression bindings: the sign table unpacking (comm/packing.py) and the per-piece passes
+// of the compressed allreduce (one scale per piece, lightning_optim/comm/pieces.py). Every argument is
+// checked before any tensor is touched.
 #include "bindings_common.h"
 
 namespace lo_bind {
@@ -13,68 +14,6 @@ void check_packed(const at::Tensor& packed, int64_t n, const at::Device& device)
                     packed.numel());
 }
 
-// z = x + err (add_err) or z = x; packed <- signs of z; err <- z - scale * sign(z).
-// Returns the scale used: the given one, else ||z|| / sqrt(n).
-double onebit_compress(const at::Tensor& x, const at::Tensor& err, const at::Tensor& packed,
-                       std::optional<double> scale, bool add_err) {
-  const at::Device device = x.device();
-  check_flat(x, "x", at::kFloat, device);
-  check_flat(err, "err", at::kFloat, device);
-  TORCH_CHECK_VALUE(err.numel() == x.numel(), "err: ", err.numel(), " elements, x has ", x.numel());
-  const int64_t n = x.numel();
-  check_packed(packed, n, device);
-  if (n == 0) return scale.value_or(0.0);
-  LO_GUARD(device);
-  lo::Exec ex = exec_for(device);
-  double s;
-  if (scale.has_value()) {
-    s = *scale;
-  } else {
-    at::Tensor sums = at::zeros({2}, at::TensorOptions().dtype(at::kDouble).device(device));
-    const float* zero_err = nullptr;
-    at::Tensor zeros;
-    if (!add_err) {  // the norm of x alone
-      zeros = at::zeros_like(x);
-      zero_err = zeros.data_ptr<float>();
-    }
-    const float* e = add_err ? err.data_ptr<float>() : zero_err;
-#ifdef WITH_CUDA
-    if (device.is_cuda()) lo::cuda::onebit_sumsq(ex, x.data_ptr<float>(), e, n, sums.data_ptr<double>());
-    else
-#endif
-      lo::cpu::onebit_sumsq(ex, x.data_ptr<float>(), e, n, sums.data_ptr<double>());
-    s = std::sqrt(sums[0].item<double>() / static_cast<double>(n));
-  }
-  const lo::Ef mode = add_err ? lo::Ef::Feedback : lo::Ef::Residual;
-  LO_CALL_DEV(device, onebit_compress, ex, x.data_ptr<float>(), err.data_ptr<float>(), packed.data_ptr<uint8_t>(), n,
-              float(s), mode);
-  return s;
-}
-
-// packed <- signs of x (bit = x >= 0, LSB first, a partial last byte padded with 1 bits).
-void onebit_pack(const at::Tensor& x, const at::Tensor& packed) {
-  const at::Device device = x.device();
-  check_flat(x, "x", at::kFloat, device);
-  check_packed(packed, x.numel(), device);
-  if (x.numel() == 0) return;
-  LO_GUARD(device);
-  LO_CALL_DEV(device, onebit_compress, exec_for(device), x.data_ptr<float>(), nullptr, packed.data_ptr<uint8_t>(),
-              x.numel(), 1.0f, lo::Ef::None);
-}
-
-// out <- +scale where the bit is set, -scale elsewhere (out: float32, bfloat16 or float16).
-void onebit_unpack(const at::Tensor& packed, const at::Tensor& out, double scale) {
-  const at::Device device = out.device();
-  TORCH_CHECK_VALUE(out.is_contiguous(), "out: must be contiguous");
-  lo::DType type = dtype_of(out, "out");
-  check_packed(packed, out.numel(), device);
-  if (out.numel() == 0) return;
-  LO_GUARD(device);
-  LO_CALL_DEV(device, onebit_unpack, exec_for(device), packed.data_ptr<uint8_t>(), type, out.data_ptr(), out.numel(),
-              float(scale));
-}
-
-// out[8k + j] <- table[packed[k], j] for a 256 x 8 table of out's dtype.
 void onebit_unpack_table(const at::Tensor& packed, const at::Tensor& table, const at::Tensor& out) {
   const at::Device device = out.device();
   TORCH_CHECK_VALUE(out.is_contiguous(), "out: must be contiguous");
@@ -217,10 +156,6 @@ at::Tensor onebit_server_mean(const at::Tensor& rows, const at::Tensor& scales, 
 }  // namespace
 
 void register_onebit(pybind11::module_& m) {
-  m.def("onebit_compress", &onebit_compress, pybind11::arg("x"), pybind11::arg("err"), pybind11::arg("packed"),
-        pybind11::arg("scale") = pybind11::none(), pybind11::arg("add_err") = true);
-  m.def("onebit_pack", &onebit_pack, pybind11::arg("x"), pybind11::arg("packed"));
-  m.def("onebit_unpack", &onebit_unpack, pybind11::arg("packed"), pybind11::arg("out"), pybind11::arg("scale") = 1.0);
   m.def("onebit_unpack_table", &onebit_unpack_table, pybind11::arg("packed"), pybind11::arg("table"),
         pybind11::arg("out"));
   m.def("onebit_seg_sumsq", &onebit_seg_sumsq, pybind11::arg("x"), pybind11::arg("err"), pybind11::arg("pieces"),

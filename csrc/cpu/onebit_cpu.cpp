@@ -15,18 +15,6 @@ namespace lo {
 namespace cpu {
 namespace {
 
-struct SumsqOp {
-  static constexpr int depth = 2;
-  struct Ptrs { const float* x; const float* err; };
-  Ptrs bind(void* const* b, int64_t) const {
-    return Ptrs{static_cast<const float*>(b[0]), static_cast<const float*>(b[1])};
-  }
-  LO_INLINE void operator()(const Ptrs& t, int64_t i, float& acc, float&) const {
-    float z = ef_input(t.x[i], t.err[i]);
-    acc += z * z;
-  }
-};
-
 // One flat buffer as a one-tensor list, so that the chunking and scheduling are the optimizers'.
 ListArgs flat(const int64_t* numel, void* const* ptrs, int depth) {
   ListArgs a;
@@ -73,15 +61,6 @@ void compress_range(const float* x, float* err, uint8_t* packed, int64_t begin, 
   }
 }
 
-template <Ef MODE>
-void compress(const Exec& ex, const float* x, float* err, uint8_t* packed, int64_t n, float scale) {
-  void* ptrs[2] = {const_cast<float*>(x), err};
-  ListArgs a = flat(&n, ptrs, 2);
-  cpu_detail::for_each_segment(ex, a, [&](const cpu_detail::Segment& sg, int64_t) {
-    compress_range<MODE>(x, err, packed, sg.begin, sg.begin + sg.len, scale);
-  });
-}
-
 void unpack_f32(const uint8_t* packed, float* out, int64_t begin, int64_t end, float scale, bool stream) {
   int64_t i = begin;
 #if defined(__AVX512F__)
@@ -124,35 +103,6 @@ void table_typed(const uint8_t* packed, const T* table, T* out, int64_t begin, i
 }
 
 }  // namespace
-
-void onebit_sumsq(const Exec& ex, const float* x, const float* err, int64_t n, double* out) {
-  void* ptrs[2] = {const_cast<float*>(x), const_cast<float*>(err)};
-  cpu_reduce(ex, flat(&n, ptrs, 2), SumsqOp{}, out);  // out[0] += sum, out[1] untouched
-}
-
-void onebit_compress(const Exec& ex, const float* x, float* err, uint8_t* packed, int64_t n, float scale, Ef mode) {
-  switch (mode) {
-    case Ef::None: compress<Ef::None>(ex, x, nullptr, packed, n, scale); break;
-    case Ef::Residual: compress<Ef::Residual>(ex, x, err, packed, n, scale); break;
-    case Ef::Feedback: compress<Ef::Feedback>(ex, x, err, packed, n, scale); break;
-  }
-}
-
-void onebit_unpack(const Exec& ex, const uint8_t* packed, DType out_type, void* out, int64_t n, float scale) {
-  void* ptrs[1] = {out};
-  const bool stream = use_stream(out, n * 4);
-  cpu_detail::for_each_segment(ex, flat(&n, ptrs, 1), [&](const cpu_detail::Segment& sg, int64_t) {
-    const int64_t begin = sg.begin, end = sg.begin + sg.len;
-    switch (out_type) {
-      case DType::F32: unpack_f32(packed, static_cast<float*>(out), begin, end, scale, stream); break;
-      case DType::BF16: unpack_typed(packed, static_cast<bf16_t*>(out), begin, end, scale); break;
-      case DType::F16: unpack_typed(packed, static_cast<f16_t*>(out), begin, end, scale); break;
-    }
-  });
-#if defined(__AVX512F__)
-  if (stream) _mm_sfence();
-#endif
-}
 
 void onebit_unpack_table(const Exec& ex, const uint8_t* packed, DType out_type, const void* table, void* out,
                          int64_t n) {

@@ -64,11 +64,7 @@ struct Pieces {
   void lars(const Exec&, const ListArgs&, const LarsHyper&, const Types&, bool momentum, bool apply);     \
   void stable_moments(const Exec&, const ListArgs&, const StableHyper&, const Types&, bool rms, double* out); \
   void stable_apply(const Exec&, const ListArgs&, const StableHyper&, const Types&);                      \
-  /* 1-bit: flat fp32 buffers; packed holds ceil(n / 8) bytes */                                         \
-  void onebit_sumsq(const Exec&, const float* x, const float* err, int64_t n, double* out);               \
-  void onebit_compress(const Exec&, const float* x, float* err, uint8_t* packed, int64_t n, float scale,  \
-                       Ef mode);                                                                           \
-  void onebit_unpack(const Exec&, const uint8_t* packed, DType out_type, void* out, int64_t n, float scale); \
+  /* 1-bit: flat fp32 buffers; packed holds ceil(n / 8) bytes. */                                        \
   /* table: 256 x 8 values of out_type; byte b decodes to row b */                                         \
   void onebit_unpack_table(const Exec&, const uint8_t* packed, DType out_type, const void* table, void* out, \
                            int64_t n);                                                                     \

@@ -104,7 +104,7 @@ def unpack_into(packed: Tensor, out: Tensor, table: Tensor, index: Tensor | None
         raise ValueError(f"unpack_into: out has {out.numel()} elements, expected {8 * k}")
     if (out.dtype in _KERNEL_DTYPES and table.dtype == out.dtype and out.is_contiguous() and packed.is_contiguous()
             and table.is_contiguous()):
-        kernel = ops.kernel("onebit_unpack_table", out.device)
+        kernel = ops.raw_kernel("onebit_unpack_table", out.device)
         if kernel is not None:  # compiled: the same table lookup, vectorised and threaded
             kernel(packed.reshape(-1), table, out.view(-1))
             return out

@@ -64,7 +64,7 @@ class Pieces:
 
 
 def _kernel(name: str, device: torch.device):
-    return ops.kernel(name, device)
+    return ops.raw_kernel(name, device)
 
 
 def sumsq(x: Tensor, err: Tensor | None, pc: Pieces) -> Tensor:

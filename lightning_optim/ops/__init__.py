@@ -8,7 +8,8 @@ Optimizers ask for a kernel by name at the top of their ``_update``::
         return
     ...  # the foreach math: the pure-torch fallback, same results
 
-``kernel`` returns None whenever the torch path must run: backend ``torch`` chosen, the extension
+``raw_kernel(name, device)`` gives the flat-buffer kernels of the 1-bit allreduce the same way.
+Both return None whenever the torch path must run: backend ``torch`` chosen, the extension
 unavailable (one warning, with the reason), a device without kernels, or a batch the kernels do not
 cover (fp64, 16-bit states, non-contiguous tensors).
 
@@ -37,7 +38,7 @@ from lightning_optim.ops._loader import BuildError, build_root
 from lightning_optim.ops.fused import OPTIMIZER_KERNELS, RAW_KERNELS, supports
 
 __all__ = ["BACKENDS", "ENV_VAR", "BuildError", "backend_for", "build", "build_root", "extension", "kernel",
-           "requested_backend"]
+           "raw_kernel", "requested_backend"]
 
 ENV_VAR = "LIGHTNING_OPTIM_BACKEND"
 BACKENDS = ("torch", "cpu", "cuda")
@@ -96,28 +97,32 @@ def backend_for(device: torch.device | str) -> str:
     return kind
 
 
-def kernel(name: str, where: Any) -> Any | None:
-    """The kernel ``name`` for ``where`` (a device, or an optimizer Batch), or None: use torch.
-
-    Optimizer kernels (``adam``, ``sgd``, ``lion``, ``adan``, ``lamb``, ``lars``, ``stableadamw``)
-    take a Batch; with a Batch, its dtypes and layout are checked too. The 1-bit kernels
-    (``onebit_compress``, ``onebit_pack``, ``onebit_unpack``) take flat tensors.
-    """
-    batch = where if hasattr(where, "params") else None
-    device = batch.params[0].device if batch is not None else torch.device(where)
-    if name not in OPTIMIZER_KERNELS and name not in RAW_KERNELS:
-        raise KeyError(f"unknown kernel {name!r}; known: {sorted([*OPTIMIZER_KERNELS, *RAW_KERNELS])}")
-    if backend_for(device) == "torch":
+def kernel(name: str, batch: Any) -> Any | None:
+    """The optimizer kernel ``name`` (``adam``, ``sgd``, ``lion``, ``adan``, ``lamb``, ``lars``,
+    ``stableadamw``) for an optimizer ``Batch``, or None: use the torch path (backend, device, or a
+    batch the kernels do not cover: fp64, 16-bit states, non-contiguous tensors)."""
+    if name not in OPTIMIZER_KERNELS:
+        raise KeyError(f"unknown optimizer kernel {name!r}; known: {sorted(OPTIMIZER_KERNELS)}")
+    if backend_for(batch.params[0].device) == "torch":
         return None
     module = _loader.build()
-    if batch is not None and not supports(batch, module):
+    if not supports(batch, module):
         return None
-    if name in RAW_KERNELS:
-        return getattr(module, name)
     key = (id(module), name)
     if key not in _kernels:
         _kernels[key] = OPTIMIZER_KERNELS[name](module)
     return _kernels[key]
+
+
+def raw_kernel(name: str, device: torch.device | str) -> Any | None:
+    """The flat-buffer kernel ``name`` (the 1-bit passes: ``onebit_seg_sumsq``, ``onebit_seg_compress``,
+    ``onebit_seg_unpack``, ``onebit_server_mean``, ``onebit_unpack_table``) for tensors on ``device``,
+    or None: use the torch path."""
+    if name not in RAW_KERNELS:
+        raise KeyError(f"unknown flat kernel {name!r}; known: {sorted(RAW_KERNELS)}")
+    if backend_for(device) == "torch":
+        return None
+    return getattr(_loader.build(), name)
 
 
 def build(verbose: bool = False, force: bool = False) -> ModuleType:

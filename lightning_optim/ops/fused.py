@@ -47,9 +47,11 @@ def adam(ext: ModuleType) -> Callable[..., None]:
     def run(batch: Any, apply: bool, *, lr: float, beta1: float, beta2: float, eps: float, l2: float,
             bc1: float, bc2: float, decay: float, amsgrad: bool) -> None:
         keep, neg = _decay(decay)
-        ext.adam(_params(batch), batch.raw_grads, batch.state("exp_avg"), batch.state("exp_avg_sq"),
-                 batch.state("max_exp_avg_sq") if amsgrad else [], _comps(batch), [],
-                 1 - beta1, beta2, 1 - beta2, -lr / bc1, math.sqrt(bc2), eps, l2, keep, neg, apply)
+        ext.adam(params=_params(batch), grads=batch.raw_grads, exp_avgs=batch.state("exp_avg"),
+                 exp_avg_sqs=batch.state("exp_avg_sq"),
+                 max_exp_avg_sqs=batch.state("max_exp_avg_sq") if amsgrad else [], kahan_comps=_comps(batch),
+                 param_copies=[], w1=1 - beta1, beta2=beta2, c2=1 - beta2, step=-lr / bc1,
+                 sqrt_bc2=math.sqrt(bc2), eps=eps, l2=l2, keep=keep, neg_decay=neg, apply=apply)
     return run
 
 
@@ -58,16 +60,19 @@ def sgd(ext: ModuleType) -> Callable[..., None]:
             l2_pre: float, l2_post: float, decay: float) -> None:
         keep, neg = _decay(decay)
         bufs = batch.state("momentum_buffer") if momentum != 0 else []
-        ext.sgd(_params(batch), batch.raw_grads, bufs, _comps(batch), momentum, 1 - dampening, l2_pre, l2_post,
-                -lr, batch.step == 1, nesterov, keep, neg, apply)
+        ext.sgd(params=_params(batch), grads=batch.raw_grads, momentum_buffers=bufs,
+                kahan_comps=_comps(batch), momentum=momentum, damp_keep=1 - dampening, l2_pre=l2_pre,
+                l2_post=l2_post, neg_lr=-lr, first=batch.step == 1, nesterov=nesterov, keep=keep,
+                neg_decay=neg, apply=apply)
     return run
 
 
 def lion(ext: ModuleType) -> Callable[..., None]:
     def run(batch: Any, apply: bool, *, lr: float, beta1: float, beta2: float, decay: float) -> None:
         keep, neg = _decay(decay)
-        ext.lion(_params(batch), batch.raw_grads, batch.state("exp_avg"), _comps(batch), 1 - beta1, 1 - beta2, -lr,
-                 keep, neg, apply)
+        ext.lion(params=_params(batch), grads=batch.raw_grads, exp_avgs=batch.state("exp_avg"),
+                 kahan_comps=_comps(batch), w1=1 - beta1, w2=1 - beta2, neg_lr=-lr, keep=keep, neg_decay=neg,
+                 apply=apply)
     return run
 
 
@@ -77,9 +82,12 @@ def adan(ext: ModuleType) -> Callable[..., None]:
         keep, neg = _decay(decay)
         t = batch.step
         bc1, bc2, bc3 = 1 - beta1**t, 1 - beta2**t, 1 - beta3**t
-        ext.adan(_params(batch), batch.raw_grads, batch.state("exp_avg"), batch.state("exp_avg_diff"),
-                 batch.state("exp_avg_sq"), batch.state("prev_grad"), _comps(batch), 1 - beta1, 1 - beta2, beta2,
-                 beta3, 1 - beta3, bc1, beta2 / bc2, math.sqrt(bc3), eps, step_size, t == 1, keep, neg, apply)
+        ext.adan(params=_params(batch), grads=batch.raw_grads, exp_avgs=batch.state("exp_avg"),
+                 exp_avg_diffs=batch.state("exp_avg_diff"), exp_avg_sqs=batch.state("exp_avg_sq"),
+                 prev_grads=batch.state("prev_grad"), kahan_comps=_comps(batch), w1=1 - beta1, w2=1 - beta2,
+                 beta2=beta2, beta3=beta3, c3=1 - beta3, bc1=bc1, n_coef=beta2 / bc2,
+                 sqrt_bc3=math.sqrt(bc3), eps=eps, step=step_size, first=t == 1, keep=keep, neg_decay=neg,
+                 apply=apply)
     return run
 
 
@@ -92,16 +100,20 @@ class Lamb:
     def moments(self, batch: Any, *, clip_div: float, l2: float, beta1: float, m_coef: float, beta2: float,
                 bc1: float, bc2: float, eps: float, wd: float, eps_inside_sqrt: bool, norms: bool) -> Tensor:
         """Update the moments; with ``norms`` return the per-tensor (|p|, |u|) in fp32."""
-        sums = self.ext.lamb_moments(batch.params, batch.raw_grads, batch.state("exp_avg"), batch.state("exp_avg_sq"),
-                                     clip_div, l2, beta1, m_coef, beta2, 1 - beta2, bc1, bc2, eps, wd,
-                                     eps_inside_sqrt, norms)
+        sums = self.ext.lamb_moments(params=batch.params, grads=batch.raw_grads,
+                                     exp_avgs=batch.state("exp_avg"), exp_avg_sqs=batch.state("exp_avg_sq"),
+                                     clip_div=clip_div, l2=l2, beta1=beta1, m_coef=m_coef, beta2=beta2,
+                                     c2=1 - beta2, bc1=bc1, bc2=bc2, eps=eps, wd=wd,
+                                     eps_inside_sqrt=eps_inside_sqrt, norms=norms)
         return sums.sqrt().float()
 
     def apply(self, batch: Any, scales: Tensor, *, bc1: float, bc2: float, eps: float, wd: float,
               eps_inside_sqrt: bool) -> None:
         """``p <- p + scales[i] * u`` with ``u`` recomputed from the updated moments."""
-        self.ext.lamb_apply(_params(batch), batch.state("exp_avg"), batch.state("exp_avg_sq"), _comps(batch),
-                            scales.float().contiguous(), bc1, bc2, eps, wd, eps_inside_sqrt)
+        self.ext.lamb_apply(params=_params(batch), exp_avgs=batch.state("exp_avg"),
+                            exp_avg_sqs=batch.state("exp_avg_sq"), kahan_comps=_comps(batch),
+                            scales=scales.float().contiguous(), bc1=bc1, bc2=bc2, eps=eps, wd=wd,
+                            eps_inside_sqrt=eps_inside_sqrt)
 
 
 class Lars:
@@ -112,15 +124,16 @@ class Lars:
 
     def norms(self, batch: Any) -> Tensor:
         """Per-tensor (|p|, |g|) in fp32."""
-        return self.ext.lars_norms(batch.params, batch.raw_grads).sqrt().float()
+        return self.ext.lars_norms(params=batch.params, grads=batch.raw_grads).sqrt().float()
 
     def step(self, batch: Any, apply: bool, scales: Tensor | None, *, weight_decay: float, grad_clip: float | None,
              momentum: float) -> None:
         clip = math.inf if grad_clip is None else grad_clip
         bufs = batch.state("momentum_buffer") if momentum != 0 else []
-        self.ext.lars(_params(batch), batch.raw_grads, bufs, _comps(batch),
-                      None if scales is None else scales.float().contiguous(), weight_decay, -clip, clip, momentum,
-                      batch.step == 1, apply)
+        self.ext.lars(params=_params(batch), grads=batch.raw_grads, momentum_buffers=bufs,
+                      kahan_comps=_comps(batch),
+                      scales=None if scales is None else scales.float().contiguous(), wd=weight_decay,
+                      lo_clip=-clip, hi_clip=clip, momentum=momentum, first=batch.step == 1, apply=apply)
 
 
 class StableAdamW:
@@ -130,8 +143,10 @@ class StableAdamW:
         self.ext = ext
 
     def moments(self, batch: Any, *, beta1: float, beta2: float, bc2: float, eps: float, rms: bool) -> list[float]:
-        sums = self.ext.stable_moments(batch.params, batch.raw_grads, batch.state("exp_avg"), batch.state("exp_avg_sq"),
-                                       1 - beta1, beta2, 1 - beta2, bc2, eps * eps, rms)
+        sums = self.ext.stable_moments(params=batch.params, grads=batch.raw_grads,
+                                       exp_avgs=batch.state("exp_avg"),
+                                       exp_avg_sqs=batch.state("exp_avg_sq"), w1=1 - beta1, beta2=beta2,
+                                       c2=1 - beta2, bc2=bc2, eps_sq=eps * eps, rms=rms)
         numels = torch.tensor([p.numel() for p in batch.params], dtype=torch.float64)
         return (sums[:, 0].cpu() / numels).tolist()
 
@@ -139,9 +154,10 @@ class StableAdamW:
         def floats(values: list[float]) -> Tensor:
             return torch.tensor(values, dtype=torch.float32, device=batch.params[0].device)
 
-        self.ext.stable_apply(_params(batch), batch.state("exp_avg"), batch.state("exp_avg_sq"), _comps(batch),
-                              floats(step_sizes), floats([1 - c for c in decays]), floats([-c for c in decays]),
-                              bc2, eps)
+        self.ext.stable_apply(params=_params(batch), exp_avgs=batch.state("exp_avg"),
+                              exp_avg_sqs=batch.state("exp_avg_sq"), kahan_comps=_comps(batch),
+                              scales=floats(step_sizes), keeps=floats([1 - c for c in decays]),
+                              neg_decays=floats([-c for c in decays]), bc2=bc2, eps=eps)
 
 
 # name -> factory(extension module) -> kernel object
@@ -156,5 +172,5 @@ OPTIMIZER_KERNELS: dict[str, Callable[[ModuleType], Any]] = {
 }
 
 # name -> attribute of the extension module (flat-buffer kernels, no Batch)
-RAW_KERNELS = ("onebit_compress", "onebit_pack", "onebit_unpack", "onebit_unpack_table", "onebit_seg_sumsq",
+RAW_KERNELS = ("onebit_unpack_table", "onebit_seg_sumsq",
                "onebit_seg_compress", "onebit_seg_unpack", "onebit_server_mean")

@@ -51,17 +51,19 @@ def test_invalid_backend_names_the_variable(monkeypatch):
 def test_backend_choice(monkeypatch, ext):
     monkeypatch.setenv(ops.ENV_VAR, "torch")
     assert ops.backend_for("cpu") == "torch"
-    assert ops.kernel("onebit_pack", "cpu") is None
+    assert ops.raw_kernel("onebit_seg_unpack", "cpu") is None
     monkeypatch.setenv(ops.ENV_VAR, "cpu")
     assert ops.backend_for("cpu") == "cpu"
     assert ops.backend_for("meta") == "torch"
-    assert ops.kernel("onebit_pack", "cpu") is ext.onebit_pack
+    assert ops.raw_kernel("onebit_seg_unpack", "cpu") is ext.onebit_seg_unpack
     monkeypatch.setenv(ops.ENV_VAR, "cuda")
     assert ops.backend_for("cpu") == "torch"  # cuda kernels only for CUDA tensors
     monkeypatch.setenv(ops.ENV_VAR, "AUTO")
     assert ops.backend_for("cpu") == "cpu"
-    with pytest.raises(KeyError, match="unknown kernel"):
-        ops.kernel("adamax", "cpu")
+    with pytest.raises(KeyError, match="unknown optimizer kernel"):
+        ops.kernel("adamax", None)
+    with pytest.raises(KeyError, match="unknown flat kernel"):
+        ops.raw_kernel("adam", "cpu")  # an optimizer kernel is not a flat one
 
 
 def test_fallback_warns_once_with_reason_and_matches(broken_build, monkeypatch):

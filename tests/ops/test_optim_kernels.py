@@ -101,7 +101,7 @@ def test_kernel_is_used(spec, ext, monkeypatch):
     """The cpu backend really runs the compiled kernel (a spy on the extension function)."""
     calls = []
     real = getattr(ext, FUSED[spec.name])
-    monkeypatch.setattr(ext, FUSED[spec.name], lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(ext, FUSED[spec.name], lambda *a, **k: calls.append(1) or real(*a, **k))
     run(spec, "cpu", torch.float32, {}, monkeypatch, steps=2)
     assert calls
 
@@ -111,7 +111,7 @@ def test_unsupported_batches_take_the_torch_path(ext, monkeypatch):
     monkeypatch.setenv(ops.ENV_VAR, "cpu")
     calls = []
     real = ext.adam
-    monkeypatch.setattr(ext, "adam", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(ext, "adam", lambda *a, **k: calls.append(1) or real(*a, **k))
     cases = [
         [torch.randn(5, dtype=torch.float64, requires_grad=True)],
         [torch.randn(5, dtype=torch.bfloat16, requires_grad=True)],  # states in bf16 (fp32_state=False)
