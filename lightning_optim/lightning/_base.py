@@ -33,6 +33,7 @@ from lightning_optim.lightning._rank_checkpoints import CHECKPOINT_KEY, _PerRank
 from lightning_optim.lightning._telemetry import _ByteCountingMixin
 from lightning_optim.lightning.convert import retarget_schedulers, to_onebit
 from lightning_optim.onebit import OnebitAdam, OnebitLamb, OnebitOptimizer, ZeroOneAdam
+from lightning_optim.onebit.base import _auto_mask_ratio
 
 __all__ = ["CHECKPOINT_KEY", "DEFAULT_TIMEOUT_S", "rank_file"]
 
@@ -138,7 +139,8 @@ class _OnebitStrategyMixin(_PerRankCheckpointMixin, _ByteCountingMixin, _Switcha
         if optimizer.process_group not in (None, getattr(dist.group, "WORLD", None)):
             raise ValueError(f"{name}: the {type(optimizer).__name__} must use the default process group "
                              "(process_group=None): DDP averages over all ranks")
-        ignored = {k: v for k, v in self._knobs.items() if getattr(optimizer, k, v) != v}
+        wanted = {k: _auto_mask_ratio(v) if k == "auto_mask" else v for k, v in self._knobs.items()}
+        ignored = {k: v for k, v in wanted.items() if getattr(optimizer, k, v) != v}
         if ignored and self.global_rank == 0:
             own = ", ".join(f"{k}={getattr(optimizer, k)}" for k in ignored)
             warnings.warn(
@@ -189,6 +191,7 @@ class _OnebitAdamMixin(_OnebitStrategyMixin):
 
     Args:
         freeze_step: warmup steps (``OnebitAdam``'s default, 100000, when None).
+        auto_mask: ``OnebitAdam``'s (True when None; False: off; or the ratio, see docs/onebit.md).
         timeout: collective timeout in seconds (or a ``timedelta``).
         telemetry: log ``comm/*`` metrics per step (adds :class:`CommTelemetry`).
         **kwargs: ``DDPStrategy`` arguments.
@@ -196,8 +199,8 @@ class _OnebitAdamMixin(_OnebitStrategyMixin):
 
     optimizer_class = OnebitAdam
 
-    def __init__(self, freeze_step: int | None = None, **kwargs: Any) -> None:
-        super().__init__(knobs={"freeze_step": freeze_step}, **kwargs)
+    def __init__(self, freeze_step: int | None = None, auto_mask: bool | float | None = None, **kwargs: Any) -> None:
+        super().__init__(knobs={"freeze_step": freeze_step, "auto_mask": auto_mask}, **kwargs)
 
 
 class _ZeroOneAdamMixin(_OnebitStrategyMixin):
@@ -206,7 +209,7 @@ class _ZeroOneAdamMixin(_OnebitStrategyMixin):
     params differ (validation scores each rank's own; checkpoints keep each rank's params).
 
     Args:
-        var_freeze_step, var_update_scaler, local_step_scaler, local_step_clipper:
+        var_freeze_step, var_update_scaler, local_step_scaler, local_step_clipper, auto_mask:
             ``ZeroOneAdam``'s (its defaults when None).
         timeout, telemetry, **kwargs: as :class:`OnebitAdamStrategy`.
     """
@@ -220,10 +223,11 @@ class _ZeroOneAdamMixin(_OnebitStrategyMixin):
         var_update_scaler: int | None = None,
         local_step_scaler: int | None = None,
         local_step_clipper: int | None = None,
+        auto_mask: bool | float | None = None,
         **kwargs: Any,
     ) -> None:
         knobs = dict(var_freeze_step=var_freeze_step, var_update_scaler=var_update_scaler,
-                     local_step_scaler=local_step_scaler, local_step_clipper=local_step_clipper)
+                     local_step_scaler=local_step_scaler, local_step_clipper=local_step_clipper, auto_mask=auto_mask)
         super().__init__(knobs=knobs, **kwargs)
 
 
@@ -232,7 +236,7 @@ class _OnebitLambMixin(_OnebitStrategyMixin):
     optimizer's 1-bit momentum allreduce. Converts ``lightning_optim.Lamb``/``FusedLamb``.
 
     Args:
-        freeze_step, coeff_beta, factor_max, factor_min, factor_threshold: ``OnebitLamb``'s
+        freeze_step, coeff_beta, factor_max, factor_min, factor_threshold, auto_mask: ``OnebitLamb``'s
             (its defaults when None).
         timeout, telemetry, **kwargs: as :class:`OnebitAdamStrategy`.
     """
@@ -246,8 +250,9 @@ class _OnebitLambMixin(_OnebitStrategyMixin):
         factor_max: float | None = None,
         factor_min: float | None = None,
         factor_threshold: float | None = None,
+        auto_mask: bool | float | None = None,
         **kwargs: Any,
     ) -> None:
         knobs = dict(freeze_step=freeze_step, coeff_beta=coeff_beta, factor_max=factor_max,
-                     factor_min=factor_min, factor_threshold=factor_threshold)
+                     factor_min=factor_min, factor_threshold=factor_threshold, auto_mask=auto_mask)
         super().__init__(knobs=knobs, **kwargs)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from lightning_optim.onebit.base import DEFAULT_AUTO_MASK, OnebitOptimizer
+from lightning_optim.onebit.base import OnebitOptimizer
 from lightning_optim.onebit.layout import VARIANCE_FIRST, Layout, check_step_count
 from lightning_optim.optim.adam import adam_first_moment_
 from lightning_optim.optim.base import ParamsT
@@ -80,7 +80,7 @@ class OnebitAdam(OnebitOptimizer):
         average_grads: average full-precision gradients over ranks inside :meth:`step` when
             they are needed (see above).
         kahan_sum: Kahan-compensated updates of fp16/bf16 params (None: on for those dtypes).
-        auto_mask: :math:`\rho` in [0, 1) or None (off). After every compressed allreduce, the
+        auto_mask: True (:math:`\rho` = 1e-3), False (off) or :math:`\rho` in [0, 1). After every compressed allreduce, the
             elements whose frozen variance is at most :math:`\rho^2` times their param's mean
             variance (gradients that were all but zero through warmup, e.g. the key part of a fused
             attention bias) get momentum 0 and stay still, instead of moving on the compression's
@@ -115,7 +115,7 @@ class OnebitAdam(OnebitOptimizer):
         process_group: ProcessGroup | None = None,
         average_grads: bool = True,
         kahan_sum: bool | None = None,
-        auto_mask: float | None = DEFAULT_AUTO_MASK,
+        auto_mask: bool | float = True,
     ) -> None:
         if check_flag("amsgrad", amsgrad):
             raise ValueError("amsgrad: 1-bit Adam does not support the AMSGrad variant; leave amsgrad=False")

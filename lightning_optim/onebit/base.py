@@ -49,6 +49,15 @@ _DEEPSPEED_BACKENDS = ("nccl", "mpi", "hccl", "compressed")
 DEFAULT_AUTO_MASK = 1e-3
 
 
+def _auto_mask_ratio(value: object) -> float | None:
+    """``auto_mask``: True (ratio ``DEFAULT_AUTO_MASK``), False (off: None) or a ratio in [0, 1)."""
+    if isinstance(value, bool):
+        return DEFAULT_AUTO_MASK if value else None
+    if value is None:
+        raise TypeError("auto_mask must be True, False or a ratio in [0, 1), got None (False turns it off)")
+    return check_unit_interval("auto_mask", value)
+
+
 class OnebitOptimizer(OnebitStateDictMixin, MomentumMaskMixin, BaseOptimizer):
     """Base of the 1-bit optimizers. Subclasses define:
 
@@ -75,10 +84,10 @@ class OnebitOptimizer(OnebitStateDictMixin, MomentumMaskMixin, BaseOptimizer):
         average_grads: bool,
         cuda_aware: bool,
         comm_backend_name: str,
-        auto_mask: float | None = DEFAULT_AUTO_MASK,
+        auto_mask: bool | float = True,
     ) -> None:
         self.average_grads = check_flag("average_grads", average_grads)
-        self.auto_mask = None if auto_mask is None else check_unit_interval("auto_mask", auto_mask)
+        self.auto_mask = _auto_mask_ratio(auto_mask)
         self.process_group = check_process_group("process_group", process_group)
         self._check_compat(cuda_aware, comm_backend_name, defaults.get("max_grad_norm", 0.0))
         self._sched: dict[str, Any] = self._initial_schedule()

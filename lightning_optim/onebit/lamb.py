@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from lightning_optim.onebit.base import DEFAULT_AUTO_MASK, OnebitOptimizer
+from lightning_optim.onebit.base import OnebitOptimizer
 from lightning_optim.onebit.layout import VARIANCE_FIRST, Layout, check_step_count
 from lightning_optim.optim.adam import adam_second_moment_
 from lightning_optim.optim.base import Batch, ParamsT
@@ -115,7 +115,7 @@ class OnebitLamb(OnebitOptimizer):
         process_group: ProcessGroup | None = None,
         average_grads: bool = True,
         kahan_sum: bool | None = None,
-        auto_mask: float | None = DEFAULT_AUTO_MASK,
+        auto_mask: bool | float = True,
     ) -> None:
         if check_flag("amsgrad", amsgrad):
             raise ValueError("amsgrad: 1-bit LAMB does not support the AMSGrad variant; leave amsgrad=False")

@@ -27,7 +27,7 @@ class MomentumMaskMixin:
 
     def _zero_mask(self, layout: Layout) -> Tensor | None:
         r"""The automatic mask: 0 for the elements whose frozen variance says their gradient was
-        (all but) zero through the full-precision steps, 1 elsewhere; None when ``auto_mask`` is None
+        (all but) zero through the full-precision steps, 1 elsewhere; None when ``auto_mask`` is False
         or no element qualifies. Element ``i`` of param ``j`` is masked when
         :math:`v_i \le \rho^2 \bar v_j` (:math:`\bar v_j` the mean of :math:`v` over param ``j``,
         :math:`\rho` = ``auto_mask``; :math:`\rho = 0`: exact zeros only). Such an element's compressed

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lightning_optim.onebit.base import DEFAULT_AUTO_MASK, OnebitOptimizer
+from lightning_optim.onebit.base import OnebitOptimizer
 from lightning_optim.onebit.layout import VARIANCE_FIRST, Layout, check_step_count
 from lightning_optim.optim.adam import adam_denominator, adam_first_moment_
 from lightning_optim.optim.base import ParamsT
@@ -114,7 +114,7 @@ class ZeroOneAdam(OnebitOptimizer):
         process_group: ProcessGroup | None = None,
         average_grads: bool = True,
         kahan_sum: bool | None = None,
-        auto_mask: float | None = DEFAULT_AUTO_MASK,
+        auto_mask: bool | float = True,
     ) -> None:
         if check_flag("amsgrad", amsgrad):
             raise ValueError("amsgrad: 0/1 Adam does not support the AMSGrad variant; leave amsgrad=False")

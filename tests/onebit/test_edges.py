@@ -43,7 +43,7 @@ BAD = {
     "average_grads": [("yes", TypeError, "average_grads must be True or False")],
     "kahan_sum": [("yes", TypeError, "kahan_sum")],
     "auto_mask": [(1.0, ValueError, "auto_mask must be in [0, 1)"), (-0.1, ValueError, "auto_mask"),
-                  ("x", TypeError, "auto_mask")],
+                  ("x", TypeError, "auto_mask"), (None, TypeError, "auto_mask must be True, False or a ratio")],
     "max_coeff": [(0.0, ValueError, "max_coeff")],
     "min_coeff": [(-1.0, ValueError, "min_coeff")],
     "coeff_beta": [(1.0, ValueError, "coeff_beta must be in [0, 1)")],
@@ -200,12 +200,12 @@ def _resume_worker(rank, world):
     for source, make in SOURCES.items():
         wd = 0.1 if "AdamW" in source else 0.0
         targets = {
-            "OnebitAdam@4": lambda ps: OnebitAdam(ps, lr=1e-2, weight_decay=wd, freeze_step=4, auto_mask=None),
-            "OnebitAdam@2": lambda ps: OnebitAdam(ps, lr=1e-2, weight_decay=wd, freeze_step=2, auto_mask=None),
+            "OnebitAdam@4": lambda ps: OnebitAdam(ps, lr=1e-2, weight_decay=wd, freeze_step=4, auto_mask=False),
+            "OnebitAdam@2": lambda ps: OnebitAdam(ps, lr=1e-2, weight_decay=wd, freeze_step=2, auto_mask=False),
             "ZeroOneAdam@var": lambda ps: ZeroOneAdam(ps, lr=1e-2, weight_decay=wd, var_update_scaler=4,
-                                                      auto_mask=None),
+                                                      auto_mask=False),
             "ZeroOneAdam@local": lambda ps: ZeroOneAdam(ps, lr=1e-2, weight_decay=wd, var_freeze_step=4,
-                                                        var_update_scaler=4, local_step_scaler=2, auto_mask=None),
+                                                        var_update_scaler=4, local_step_scaler=2, auto_mask=False),
         }
         for target, build in targets.items():
             params = [p.clone().requires_grad_(True) for p in _params()]
@@ -269,7 +269,7 @@ def test_auto_mask_keeps_never_moving_elements_still(cls_name):
     assert auto[1].tolist() == [1, 1, 1, 0, 0, 0] and bool(auto[0].all())  # the rule picks the tiny ones
     user = torch.tensor([[1.0, 0.0, 1.0]] * 4)
     masked = run_workers(world, _mask_worker, rho, cls_name, timeout=120)
-    unmasked = run_workers(world, _mask_worker, None, cls_name, timeout=120)
+    unmasked = run_workers(world, _mask_worker, False, cls_name, timeout=120)
     ref = ref_cls(_params(), world, masks=[user * auto[0], auto[1]], **kwargs)
     plain_ref = ref_cls(_params(), world, masks=[user, None], **kwargs)
     for t in range(1, 9):
