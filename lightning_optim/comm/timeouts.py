@@ -33,6 +33,7 @@ __all__ = [
     "DEFAULT_COLLECTIVE_TIMEOUT_S",
     "ENV_TIMEOUT",
     "check_process_group",
+    "check_seconds",
     "collective",
     "collective_timeout",
     "gather_rows",
@@ -49,7 +50,8 @@ class CommunicationError(RuntimeError):
     """A collective failed or exceeded ``collective_timeout()`` (a peer died, hung, or the network broke)."""
 
 
-def _seconds(value: object, name: str) -> float:
+def check_seconds(value: object, name: str) -> float:
+    """A number of seconds (int, float, numpy scalar or timedelta), finite and > 0."""
     if isinstance(value, timedelta):
         seconds = value.total_seconds()
     elif isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -66,7 +68,7 @@ def _seconds(value: object, name: str) -> float:
 def set_collective_timeout(seconds: float | timedelta) -> None:
     """Bound every collective of lightning-optim to ``seconds`` (> 0; a float or a timedelta)."""
     global _timeout_s
-    _timeout_s = _seconds(seconds, "seconds")
+    _timeout_s = check_seconds(seconds, "seconds")
 
 
 def collective_timeout() -> float:
@@ -76,7 +78,7 @@ def collective_timeout() -> float:
     raw = os.environ.get(ENV_TIMEOUT, "").strip()
     if raw:
         try:
-            return _seconds(float(raw), ENV_TIMEOUT)
+            return check_seconds(float(raw), ENV_TIMEOUT)
         except ValueError as exc:
             raise ValueError(f"{ENV_TIMEOUT}={raw!r}: {exc}") from None
     return DEFAULT_COLLECTIVE_TIMEOUT_S

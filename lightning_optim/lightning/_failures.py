@@ -7,7 +7,6 @@ lightning-optim (:func:`lightning_optim.comm.set_collective_timeout`).
 
 from __future__ import annotations
 
-import math
 import re
 import signal
 import sys
@@ -17,6 +16,7 @@ from typing import Any
 import torch.distributed as dist
 
 from lightning_optim.comm import CommunicationError, set_collective_timeout
+from lightning_optim.comm.timeouts import check_seconds
 
 __all__ = ["DEFAULT_TIMEOUT_S", "_CommFailureMixin", "check_timeout", "is_comm_failure"]
 
@@ -26,15 +26,10 @@ _COMM_FAILURE = re.compile(r"gloo|nccl|connection (closed|reset)|timed out|timeo
 
 def check_timeout(value: Any, owner: str) -> float:
     """``value`` (seconds or a timedelta) as a finite number of seconds > 0."""
-    if isinstance(value, timedelta):
-        seconds = value.total_seconds()
-    elif isinstance(value, (int, float)) and not isinstance(value, bool):
-        seconds = float(value)
-    else:
-        raise TypeError(f"{owner}: timeout must be a number of seconds or a timedelta, got {value!r}")
-    if not math.isfinite(seconds) or seconds <= 0:
-        raise ValueError(f"{owner}: timeout must be a finite number of seconds > 0, got {seconds}")
-    return seconds
+    try:
+        return check_seconds(value, "timeout")
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"{owner}: {exc}") from None
 
 
 def is_comm_failure(exc: BaseException | None) -> bool:

@@ -14,7 +14,6 @@ import torch
 import torch.distributed as dist
 
 from lightning_optim.comm import (
-    CommunicationError,
     allreduce_mean,
     check_process_group,
     collective_timeout,
@@ -23,6 +22,7 @@ from lightning_optim.comm import (
     make_error_buffers,
     set_collective_timeout,
 )
+from tests.comm.workers import timed_outcome
 from tests.distributed import run_workers
 
 BOUND_S = 3.0
@@ -48,15 +48,7 @@ def _one_rank_never_calls(rank, world):
     report = {}
     names = list(_entry_points(None))
     for name, group in zip(names, groups):
-        call = _entry_points(group)[name]
-        start = time.monotonic()
-        try:
-            call()
-            report[name] = ("no error", time.monotonic() - start)
-        except CommunicationError as exc:
-            report[name] = (str(exc), time.monotonic() - start)
-        except Exception as exc:  # noqa: BLE001 - reported by the test
-            report[name] = (f"wrong type {type(exc).__name__}: {exc}", time.monotonic() - start)
+        report[name] = timed_outcome(_entry_points(group)[name])
     return report
 
 

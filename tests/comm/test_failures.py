@@ -19,7 +19,8 @@ PG_TIMEOUT = 5.0
 def _one_dies_one_hangs(rank, world):
     import torch.distributed as dist
 
-    from lightning_optim.comm import CommunicationError, allreduce_mean, compressed_allreduce, make_error_buffers
+    from lightning_optim.comm import allreduce_mean, compressed_allreduce, make_error_buffers
+    from tests.comm.workers import timed_outcome
 
     limit = timedelta(seconds=PG_TIMEOUT)  # sub-groups do not inherit the default group's timeout
     with_hanger = dist.new_group([0, 1], timeout=limit)
@@ -39,14 +40,7 @@ def _one_dies_one_hangs(rank, world):
         ("hung", lambda: compressed_allreduce(x, *buffers, group=with_hanger)),
     )
     for name, call in calls:
-        start = time.monotonic()
-        try:
-            call()
-            report[name] = ("no error", time.monotonic() - start)
-        except CommunicationError as exc:
-            report[name] = (str(exc), time.monotonic() - start)
-        except Exception as exc:  # noqa: BLE001 - reported as a failure by the test
-            report[name] = (f"wrong type {type(exc).__name__}: {exc}", time.monotonic() - start)
+        report[name] = timed_outcome(call)
     return report
 
 

@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import copy
+import time
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lightning_optim.comm import (
+    CommunicationError,
     CommStats,
     allreduce_mean,
     comm_stats,
@@ -22,6 +24,18 @@ LENGTHS = {2: [5, 16, 100, 1000, 4099], 3: [1, 23, 24, 1001], 4: [3, 33, 64, 205
 DTYPES = [torch.float32, torch.bfloat16]
 # per-segment scales: zero-length, tiny and chunk-straddling segments, magnitudes far apart
 SEGMENTS = {2: [5, 0, 100, 3, 1000], 3: [1, 23, 24, 7, 300], 4: [33, 64, 2, 2050]}
+
+
+def timed_outcome(call) -> tuple[str, float]:
+    """(the CommunicationError's message, or what else happened; seconds taken) of ``call()``."""
+    start = time.monotonic()
+    try:
+        call()
+        return "no error", time.monotonic() - start
+    except CommunicationError as exc:
+        return str(exc), time.monotonic() - start
+    except Exception as exc:  # noqa: BLE001 - reported as a failure by the tests
+        return f"wrong type {type(exc).__name__}: {exc}", time.monotonic() - start
 
 
 def segment_scales(segments: list[int]) -> torch.Tensor:

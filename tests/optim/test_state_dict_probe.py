@@ -37,6 +37,14 @@ def _steps(opt, params, n, seed=1):
         opt.step()
 
 
+def _trained(spec: Spec, dtype=torch.float32, steps=2):
+    """A ``spec`` optimizer over fresh params after ``steps`` steps, its params and its state dict."""
+    params = _params(dtype)
+    opt = _make(spec, params)
+    _steps(opt, params, steps)
+    return opt, params, opt.state_dict()
+
+
 def _snapshot(opt, params):
     buf = io.BytesIO()
     torch.save(opt.state_dict(), buf)
@@ -51,10 +59,7 @@ def _unchanged(before, opt, params):
 # ---------------------------------------------------------------- dtype rules
 @pytest.mark.parametrize("spec", SPECS, ids=str)
 def test_fp32_state_into_bf16_params_stays_fp32_and_steps(spec):
-    src = _params()
-    opt = _make(spec, src)
-    _steps(opt, src, 2)
-    saved = opt.state_dict()
+    _, src, saved = _trained(spec)
     low = [p.detach().bfloat16().requires_grad_(True) for p in src]
     target = _make(spec, low)
     target.load_state_dict(saved)
@@ -75,10 +80,7 @@ def test_fp32_state_into_bf16_params_stays_fp32_and_steps(spec):
 
 @pytest.mark.parametrize("spec", SPECS, ids=str)
 def test_bf16_state_into_fp32_params_is_upcast(spec):
-    low = _params(torch.bfloat16)
-    opt = _make(spec, low)
-    _steps(opt, low, 2)
-    saved = opt.state_dict()
+    _, low, saved = _trained(spec, torch.bfloat16)
     high = [p.detach().float().requires_grad_(True) for p in low]
     target = _make(spec, high)
     target.load_state_dict(saved)
@@ -165,10 +167,7 @@ def test_another_algorithms_dict_is_refused_and_changes_nothing(spec):
 
 @pytest.mark.parametrize("spec", SPECS, ids=str)
 def test_a_malformed_dict_is_refused_before_anything_changes(spec):
-    params = _params()
-    opt = _make(spec, params)
-    _steps(opt, params, 2)
-    good = opt.state_dict()
+    opt, params, good = _trained(spec)
     before = _snapshot(opt, params)
     first_key = next(k for k, v in good["state"][0].items() if isinstance(v, torch.Tensor) and v.dim())
 
