@@ -12,7 +12,6 @@ compresses (one scale per param) or averages the whole model.
 from __future__ import annotations
 
 import warnings
-import zlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -264,9 +263,7 @@ class OnebitOptimizer(OnebitStateDictMixin, MomentumMaskMixin, BaseOptimizer):
         if world == 1:
             return
         device = layout.device if dist.get_backend(self.process_group) == "nccl" else torch.device("cpu")
-        dtypes = zlib.crc32(repr([str(p.dtype) for p in layout.params]).encode())
-        rows = gather_rows("all_gather(layout)", (*layout.signature(), dtypes, t), group=self.process_group,
-                           device=device)
+        rows = gather_rows("all_gather(layout)", (*layout.signature(), t), group=self.process_group, device=device)
         if len(set(rows)) > 1:
             detail = ", ".join(f"rank {r}: {n} params / {numel} elements at step {step}"
                                for r, (n, numel, _, _, step) in enumerate(rows))

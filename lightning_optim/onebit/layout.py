@@ -34,13 +34,19 @@ class Layout:
         self.device = devices.pop() if devices else torch.device("cpu")
         self.buckets: list[tuple[int, list[int]]] = []  # filled once the states exist
         self.scratch: dict[str, tuple[Tensor, list[Tensor]]] = {}
+        self._signature: tuple[int, ...] | None = None
 
     def views(self, flat: Tensor) -> list[Tensor]:
         return [flat[o : o + p.numel()].view(p.shape) for o, p in zip(self.offsets, self.params)]
 
-    def signature(self) -> list[int]:
-        shapes = repr([tuple(p.shape) for p in self.params]).encode()
-        return [len(self.params), self.numel, zlib.crc32(shapes)]
+    def signature(self) -> tuple[int, ...]:
+        """(param count, elements, checksum of the shapes, checksum of the dtypes): what every rank
+        must agree on; computed once per layout (the per-step agreement sends it)."""
+        if self._signature is None:
+            shapes = zlib.crc32(repr([tuple(p.shape) for p in self.params]).encode())
+            dtypes = zlib.crc32(repr([str(p.dtype) for p in self.params]).encode())
+            self._signature = (len(self.params), self.numel, shapes, dtypes)
+        return self._signature
 
 
 VARIANCE_FIRST = ("the compression stage divides by the variance estimated in the full-precision steps, so "
