@@ -10,10 +10,14 @@ bf16/fp16 upcast, bytes added to ``state.stats`` or ``comm_stats()``). Disabled:
 returned untouched, so ``param.grad`` holds this rank's own gradient and the optimizer does its own
 (compressed) communication. The switch must flip on every rank at the same step.
 
+Bounded: each bucket's future fails with ``CommunicationError`` after ``collective_timeout()``
+seconds, also when the process group has torch's 30-minute default.
+
 Works on CPU/gloo: register it yourself after wrapping the model (Lightning's ``DDPStrategy``
 ignores ``ddp_comm_hook`` on CPU). ``register_switchable_allreduce`` does both steps.
 """
 # no ``from __future__ import annotations``: DDP checks the hook's return annotation at runtime
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -21,7 +25,7 @@ import torch.distributed as dist
 
 from .dense import allreduce_mean, world_size
 from .stats import CommStats, comm_stats
-from .timeouts import CommunicationError
+from .timeouts import CommunicationError, collective_timeout
 
 __all__ = ["SwitchableAllreduceState", "switchable_allreduce_hook", "register_switchable_allreduce"]
 
@@ -59,17 +63,40 @@ def switchable_allreduce_hook(state: SwitchableAllreduceState, bucket) -> torch.
     stats = state.stats if state.stats is not None else comm_stats()
     stats.add_full_precision(buffer.numel(), w, buffer.element_size())
     work = dist.all_reduce(buffer, group=state.group, async_op=True)
+    return _bounded(work.get_future(), w, collective_timeout())
 
-    def average(fut):
+
+def _bounded(reduced: torch.futures.Future, world: int, bound: float) -> torch.futures.Future:
+    """A future that completes with the averaged bucket, or fails with ``CommunicationError`` after
+    ``bound`` seconds: DDP waits on the hook's future itself (with the process group's own timeout,
+    30 minutes unless the group was created with one), so the bound is put on the future instead."""
+    result: torch.futures.Future = torch.futures.Future()
+    lock = threading.Lock()
+
+    def finish(value=None, error: BaseException | None = None) -> None:
+        with lock:  # the allreduce's callback and the timer race; the first one wins
+            if result.done():
+                return
+            if error is not None:
+                result.set_exception(error)
+            else:
+                result.set_result(value)
+
+    def on_reduced(fut) -> None:
+        timer.cancel()
         try:
-            reduced = fut.value()[0]
+            finish(fut.value()[0].div_(world))
         except Exception as exc:  # noqa: BLE001 - surfaced through the future
-            raise CommunicationError(
-                f"DDP bucket all_reduce failed: another rank may have died or hung ({exc})"
-            ) from exc
-        return reduced.div_(w)
+            finish(error=CommunicationError(f"DDP bucket all_reduce failed: another rank may have died or hung ({exc})"))
 
-    return work.get_future().then(average)
+    timer = threading.Timer(bound, lambda: finish(error=CommunicationError(
+        f"DDP bucket all_reduce did not complete within the bound of {bound:.0f}s "
+        "(lightning_optim.comm.set_collective_timeout sets it): another rank may have died, hung or skipped "
+        "this backward")))
+    timer.daemon = True
+    timer.start()
+    reduced.add_done_callback(on_reduced)
+    return result
 
 
 def register_switchable_allreduce(ddp_model, group=None, enabled: bool = True,

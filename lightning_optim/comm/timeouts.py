@@ -13,8 +13,8 @@ The bound: ``set_collective_timeout(seconds)``; default ``DEFAULT_COLLECTIVE_TIM
 environment variable ``LIGHTNING_OPTIM_COLLECTIVE_TIMEOUT`` (seconds) when set. The Lightning
 strategies set it from their ``timeout`` argument.
 
-Limit: the DDP comm hook's bucket allreduce is waited on by DDP itself, inside backward; it is
-bounded by the process group's timeout (the strategies create their group with their ``timeout``).
+The DDP comm hook's bucket allreduce is waited on by DDP itself, inside backward: the hook hands
+DDP a future of its own that fails with ``CommunicationError`` at the bound (``hooks.py``).
 """
 from __future__ import annotations
 

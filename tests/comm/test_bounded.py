@@ -39,8 +39,21 @@ def _entry_points(group):
     }
 
 
+def _ddp_backward(ddp_group):
+    """rank 0's backward through the switchable hook, on a group where rank 1 never runs one."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from lightning_optim.comm import register_switchable_allreduce
+
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Linear(8, 4), process_group=ddp_group)  # both ranks: DDP broadcasts at start
+    register_switchable_allreduce(model, group=ddp_group)
+    return lambda: model(torch.randn(3, 8)).sum().backward()
+
+
 def _one_rank_never_calls(rank, world):
-    groups = [dist.new_group([0, 1], timeout=SLOW) for _ in range(3)]
+    groups = [dist.new_group([0, 1], timeout=SLOW) for _ in range(4)]
+    backward = _ddp_backward(groups[3])
     if rank == 1:
         time.sleep(3 * BOUND_S + 12)  # alive, never joins
         return None
@@ -49,16 +62,22 @@ def _one_rank_never_calls(rank, world):
     names = list(_entry_points(None))
     for name, group in zip(names, groups):
         report[name] = timed_outcome(_entry_points(group)[name])
+    start = time.monotonic()
+    try:
+        backward()
+        report["DDP bucket all_reduce"] = ("no error", time.monotonic() - start)
+    except RuntimeError as exc:  # DDP re-raises the hook future's CommunicationError from backward
+        report["DDP bucket all_reduce"] = (str(exc), time.monotonic() - start)
     return report
 
 
 def test_every_entry_point_is_bounded_without_a_group_timeout():
     out = run_workers(2, _one_rank_never_calls, timeout=120, pg_timeout=SLOW.total_seconds())
     report = out[0]
-    assert set(report) == {"all_gather(sizes)", "all_reduce", "all_gather(probe)"}
+    assert set(report) == {"all_gather(sizes)", "all_reduce", "all_gather(probe)", "DDP bucket all_reduce"}
     for name, (message, elapsed) in report.items():
         assert not message.startswith(("no error", "wrong type")), (name, message)
-        assert message.startswith(name) and "bound of 3s" in message, message
+        assert name in message and "bound of 3s" in message, message
         assert "set_collective_timeout" in message
         assert BOUND_S - 0.5 < elapsed < BOUND_S + 25, (name, elapsed)
 
