@@ -29,7 +29,9 @@ def test_default_is_onebit_adam_on_two_processes(compose_train):
 
 def test_overrides_of_the_onebit_knobs(compose_train):
     strategy = lightning_arg(dict(compose_train("strategy.freeze_step=50").strategy))
-    assert strategy._knobs == {"freeze_step": 50}
+    assert strategy._knobs == {"freeze_step": 50, "auto_mask": True}  # auto_mask: the shipped config's
+    off = lightning_arg(dict(compose_train("strategy.auto_mask=false").strategy))
+    assert off._knobs["auto_mask"] is False
     cfg = compose_train("optimizer=onebit_adam", "optimizer.freeze_step=50")  # already 1-bit: used as is
     optimizer = hydra.utils.instantiate(cfg.optimizer)(param_groups(ByteGPT(max_seq_len=8, n_layer=1, d_model=16)))
     assert type(optimizer) is OnebitAdam and optimizer.freeze_step == 50
