@@ -1,5 +1,6 @@
 """Run by torchrun (2 ranks): gradient release prepared BEFORE the process group exists (as before
-``Accelerator()``), then DDP. Prints one line per rank: the outcome of the first backward."""
+``Accelerator()``), then DDP. Each rank writes one line, the outcome of the first backward, to
+``rank<r>.txt`` in the working directory (files, not stdout: torchrun's children share one pipe)."""
 
 import torch
 import torch.distributed as dist
@@ -21,5 +22,7 @@ try:
 except RuntimeError as exc:
     outcome = str(exc).splitlines()[0]
 unchanged = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
-print(f"rank {rank}: unchanged={unchanged} state={len(opt.state_dict()['state'])} outcome={outcome}", flush=True)
+line = f"rank {rank}: unchanged={unchanged} state={len(opt.state_dict()['state'])} outcome={outcome}"
+with open(f"rank{rank}.txt", "w") as out:
+    out.write(line + "\n")
 dist.destroy_process_group()

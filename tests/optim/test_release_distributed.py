@@ -18,8 +18,9 @@ def test_release_hooks_refuse_un_averaged_gradients_on_every_rank(tmp_path):
            str(free_port()), str(SCRIPT)]
     done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr[-3000:]
-    lines = sorted(line for line in done.stdout.splitlines() if line.startswith("rank "))
-    assert len(lines) == 2, done.stdout
+    outcomes = sorted(tmp_path.glob("rank*.txt"))
+    assert [p.name for p in outcomes] == ["rank0.txt", "rank1.txt"], done.stdout + done.stderr[-3000:]
+    lines = [p.read_text().strip() for p in outcomes]
     for line in lines:
         assert "unchanged=True state=0" in line, line
         assert "gradient release is single-process for now: with 2 ranks" in line, line
