@@ -72,6 +72,7 @@ class OnebitOptimizer(OnebitStateDictMixin, MomentumMaskMixin, BaseOptimizer):
     _lazy_flat_keys: tuple[str, ...] = ()  # flat states created only in a later stage
     _plain_state_extras: tuple[str, ...] = ()  # per-param keys a full-precision state may bring along
     _optional_state_keys: tuple[str, ...] = ()  # per-param keys made in a later stage (not flat)
+    writes_param_copies = False  # the flat step leaves 16-bit copies to MasterWeights.masters_to_model
     _per_param_steps = False  # the schedule holds the step count
 
     def __init__(
@@ -84,6 +85,7 @@ class OnebitOptimizer(OnebitStateDictMixin, MomentumMaskMixin, BaseOptimizer):
         cuda_aware: bool,
         comm_backend_name: str,
         auto_mask: bool | float = True,
+        gradient_release: bool = False,
     ) -> None:
         self.average_grads = check_flag("average_grads", average_grads)
         self.auto_mask = _auto_mask_ratio(auto_mask)
@@ -96,7 +98,7 @@ class OnebitOptimizer(OnebitStateDictMixin, MomentumMaskMixin, BaseOptimizer):
         self._worker_error: Tensor | None = None
         self._server_error: Tensor | None = None
         self._error_origin: tuple[int, int] | None = None  # (world size, rank) the errors belong to
-        super().__init__(params, defaults)
+        super().__init__(params, {**defaults, "gradient_release": gradient_release})
 
     # ------------------------------------------------------------------ arguments
     def _check_compat(self, cuda_aware: object, comm_backend_name: object, max_grad_norm: object) -> None:

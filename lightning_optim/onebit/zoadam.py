@@ -115,6 +115,7 @@ class ZeroOneAdam(OnebitOptimizer):
         average_grads: bool = True,
         kahan_sum: bool | None = None,
         auto_mask: bool | float = True,
+        gradient_release: bool = False,
     ) -> None:
         if check_flag("amsgrad", amsgrad):
             raise ValueError("amsgrad: 0/1 Adam does not support the AMSGrad variant; leave amsgrad=False")
@@ -140,6 +141,7 @@ class ZeroOneAdam(OnebitOptimizer):
             cuda_aware=cuda_aware,
             comm_backend_name=comm_backend_name,
             auto_mask=auto_mask,
+            gradient_release=gradient_release,
         )
 
     def _initial_schedule(self) -> dict[str, Any]:

@@ -50,7 +50,7 @@ def adam(ext: ModuleType) -> Callable[..., None]:
         ext.adam(params=_params(batch), grads=batch.raw_grads, exp_avgs=batch.state("exp_avg"),
                  exp_avg_sqs=batch.state("exp_avg_sq"),
                  max_exp_avg_sqs=batch.state("max_exp_avg_sq") if amsgrad else [], kahan_comps=_comps(batch),
-                 param_copies=[], w1=1 - beta1, beta2=beta2, c2=1 - beta2, step=-lr / bc1,
+                 param_copies=batch.take_copies() if apply else [], w1=1 - beta1, beta2=beta2, c2=1 - beta2, step=-lr / bc1,
                  sqrt_bc2=math.sqrt(bc2), eps=eps, l2=l2, keep=keep, neg_decay=neg, apply=apply)
     return run
 

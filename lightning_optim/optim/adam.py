@@ -107,6 +107,7 @@ class Adam(BaseOptimizer):
         decouple_lr: bool = False,
         max_lr: float | None = None,
         fp32_state: bool = False,
+        gradient_release: bool = False,
     ) -> None:
         if capturable or differentiable:
             raise ValueError("capturable/differentiable: not supported by lightning_optim.Adam; leave them False")
@@ -130,6 +131,7 @@ class Adam(BaseOptimizer):
             decouple_lr=decouple_lr,
             max_lr=max_lr,
             fp32_state=fp32_state,
+            gradient_release=gradient_release,
         )
         super().__init__(params, defaults)
 

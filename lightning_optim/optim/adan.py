@@ -71,6 +71,7 @@ class Adan(BaseOptimizer):
         kahan_sum: bool | None = None,
         foreach: bool | None = None,
         fp32_state: bool = False,
+        gradient_release: bool = False,
         maximize: bool = False,
     ) -> None:
         defaults = dict(
@@ -84,6 +85,7 @@ class Adan(BaseOptimizer):
             kahan_sum=kahan_sum,
             foreach=foreach,
             fp32_state=fp32_state,
+            gradient_release=gradient_release,
             maximize=maximize,
         )
         super().__init__(params, defaults)

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from lightning_optim.optim.adam import Adam
 from lightning_optim.optim.base import ParamsT
 from lightning_optim.optim.sgd import SGD
@@ -51,8 +53,8 @@ class FusedAdam(Adam):
             **flags,
         )
 
-    def zero_grad(self, set_to_none: bool | None = None) -> None:
-        super().zero_grad(self.set_grad_none if set_to_none is None else set_to_none)
+    def zero_grad(self, set_to_none: bool | None = None, param: torch.Tensor | None = None) -> None:
+        super().zero_grad(self.set_grad_none if set_to_none is None else set_to_none, param=param)
 
 
 class CPUAdam(Adam):

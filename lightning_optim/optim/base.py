@@ -62,6 +62,8 @@ class Batch:
     states: list[dict[str, Any]]
     step: int
     compute_dtype: torch.dtype
+    copies: list[Tensor] | None = None  # 16-bit model params that mirror fp32 (master) params
+    copies_written: bool = False
     _params_compute: list[Tensor] | None = field(default=None, repr=False)
     _grads: list[Tensor] | None = field(default=None, repr=False)
 
@@ -86,6 +88,13 @@ class Batch:
         """Call before writing the params: drops the cached compute-dtype copies."""
         self._params_compute = None
 
+    def take_copies(self) -> list[Tensor]:
+        """For a kernel that writes the rounded 16-bit copies in its own pass ([] when there are none)."""
+        if not self.copies:
+            return []
+        self.copies_written = True
+        return self.copies
+
 
 class BaseOptimizer(torch.optim.Optimizer):
     """Base class: validation, dispatch, Kahan summation, accumulation, dtype-safe reloads.
@@ -99,7 +108,14 @@ class BaseOptimizer(torch.optim.Optimizer):
         foreach: multi-tensor path (None: on). Results equal the for-loop path.
         fp32_state: keep the optimizer states of fp16/bf16 params in fp32 (default False:
             states in the param dtype, as optimi does, to save memory).
+        gradient_release: optimi's flag: this optimizer is meant to be driven by
+            :func:`prepare_for_gradient_release` (checked now: an optimizer that cannot be released
+            refuses it here). ``step(param=p)`` / ``zero_grad(param=p)`` step and free one param, as
+            optimi's do; preparing an optimizer built without the flag works too.
     """
+
+    # Our step writes the rounded 16-bit copies of fp32 master params (set_param_copies).
+    writes_param_copies = True
 
     def __init__(self, params: ParamsT, defaults: dict[str, Any]) -> None:
         self._optimizer_accumulation = False
@@ -107,7 +123,16 @@ class BaseOptimizer(torch.optim.Optimizer):
         self._warned_kahan = False
         self._plans: dict[int, tuple[tuple, list]] = {}
         self._group_index: dict[int, int] | None = None
-        super().__init__(params, {k: plain_numbers(v) for k, v in defaults.items()})
+        self._param_copies: dict[int, Tensor] = {}
+        defaults = {k: plain_numbers(v) for k, v in defaults.items()}
+        release = defaults.pop("gradient_release", False)
+        check_flag("gradient_release", release)
+        super().__init__(params, defaults)
+        self.defaults["gradient_release"] = release  # kept out of the groups: not a per-group setting
+        if release:
+            blocker = self._release_blocker()
+            if blocker is not None:
+                raise ValueError(f"gradient_release: not possible for {type(self).__name__}: {blocker}")
 
     # ------------------------------------------------------------------ validation
     def _check_group(self, group: dict[str, Any]) -> None:
@@ -170,13 +195,29 @@ class BaseOptimizer(torch.optim.Optimizer):
         return self._released
 
     # ------------------------------------------------------------------ stepping
+    def set_param_copies(self, pairs: Iterable[tuple[Tensor, Tensor]]) -> None:
+        """``(master, copy)`` pairs: after each update of ``master`` (fp32) the step writes
+        ``copy <- round(master)`` (the 16-bit model param), fused into the update where a kernel can.
+        Used by :class:`~lightning_optim.precision.MasterWeights`; ``[]`` clears them."""
+        copies = {}
+        for master, copy in pairs:
+            if master.dtype != torch.float32 or copy.shape != master.shape or copy.device != master.device:
+                raise ValueError("set_param_copies: each pair must be an fp32 master and a same-shape copy on its device")
+            copies[id(master)] = copy
+        self._param_copies = copies
+
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+    def step(self, closure: Callable[[], Any] | None = None, param: Tensor | None = None) -> Any:
         """One optimization step over every param with a gradient.
 
         Under gradient release the update already ran during backward, so only the closure
-        (if any) is evaluated.
+        (if any) is evaluated. ``param``: step only this one (optimi's gradient-release call).
         """
+        if param is not None:
+            if closure is not None:
+                raise ValueError("closure: cannot be combined with param (a one-param step re-evaluates nothing)")
+            self.step_param(param)
+            return None
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -196,9 +237,17 @@ class BaseOptimizer(torch.optim.Optimizer):
             self._after_step()
         return loss
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
+    def zero_grad(self, set_to_none: bool = True, param: Tensor | None = None) -> None:
+        if param is not None:
+            param.grad = None if set_to_none or param.grad is None else param.grad.detach().zero_()
+            return
         if self._released:
-            return  # the release hooks already freed every gradient
+            # one process: the hooks already freed every gradient. Under DDP, DDP's finalize wrote
+            # the averaged grads back after the hooks stepped: drop them (see release_ddp)
+            for group in self.param_groups:
+                for p in group["params"]:
+                    p.grad = None
+            return
         super().zero_grad(set_to_none=set_to_none)
 
     def _before_step(self, work: list[tuple[dict[str, Any], list[Tensor]]]) -> None:
@@ -301,8 +350,14 @@ class BaseOptimizer(torch.optim.Optimizer):
                 bucket_grads = torch._foreach_neg(bucket_grads)
             for s in states:
                 s["step"] += 1
-            batch = Batch([params[i] for i in idx], bucket_grads, states, states[0]["step"], dtype)
+            batch_params = [params[i] for i in idx]
+            batch = Batch(batch_params, bucket_grads, states, states[0]["step"], dtype)
+            if apply and self._param_copies:
+                copies = [self._param_copies.get(id(p)) for p in batch_params]
+                batch.copies = copies if all(c is not None for c in copies) else None
             self._update(group, batch, apply)
+            if batch.copies and not batch.copies_written:
+                torch._foreach_copy_(batch.copies, batch.params)
 
     def _update(self, group: dict[str, Any], batch: Batch, apply: bool) -> None:
         """Update the states of ``batch``; when ``apply``, also update the parameters."""
@@ -378,13 +433,14 @@ class BaseOptimizer(torch.optim.Optimizer):
         return self.param_groups[self._group_index[id(p)]]
 
     @torch.no_grad()
-    def step_param(self, p: Tensor) -> None:
-        """Update one parameter from its gradient (used by gradient release)."""
-        if p.grad is None:
+    def step_param(self, p: Tensor, grad: Tensor | None = None) -> None:
+        """Update one parameter from ``grad`` (default: its ``.grad``); used by gradient release."""
+        grad = p.grad if grad is None else grad
+        if grad is None:
             return
-        _check_grad(p.grad)
+        _check_grad(grad)
         self._plans.clear()  # this param's step count now differs from its bucket's
-        self._step_params(self._group_for(p), [p], [p.grad])
+        self._step_params(self._group_for(p), [p], [grad])
 
     def _release_blocker(self) -> str | None:
         """Why this optimizer cannot run under gradient release (None: it can)."""

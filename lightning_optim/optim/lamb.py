@@ -151,6 +151,7 @@ class Lamb(BaseOptimizer):
         foreach: bool | None = None,
         kahan_sum: bool | None = None,
         fp32_state: bool = False,
+        gradient_release: bool = False,
     ) -> None:
         self._global_grad_norm: Tensor | None = None
         defaults = dict(
@@ -171,6 +172,7 @@ class Lamb(BaseOptimizer):
             foreach=foreach,
             kahan_sum=kahan_sum,
             fp32_state=fp32_state,
+            gradient_release=gradient_release,
         )
         super().__init__(params, defaults)
 
@@ -328,6 +330,7 @@ class FusedLamb(Lamb):
         foreach: bool | None = None,
         kahan_sum: bool | None = None,
         fp32_state: bool = False,
+        gradient_release: bool = False,
     ) -> None:
         if check_flag("amsgrad", amsgrad):
             raise ValueError("amsgrad: FusedLamb does not support the AMSGrad variant; leave amsgrad=False")
@@ -350,4 +353,5 @@ class FusedLamb(Lamb):
             foreach=foreach,
             kahan_sum=kahan_sum,
             fp32_state=fp32_state,
+            gradient_release=gradient_release,
         )

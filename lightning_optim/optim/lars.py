@@ -65,6 +65,7 @@ class Lars(BaseOptimizer):
         foreach: bool | None = None,
         kahan_sum: bool | None = None,
         fp32_state: bool = False,
+        gradient_release: bool = False,
     ) -> None:
         defaults = dict(
             lr=lr,
@@ -78,6 +79,7 @@ class Lars(BaseOptimizer):
             foreach=foreach,
             kahan_sum=kahan_sum,
             fp32_state=fp32_state,
+            gradient_release=gradient_release,
         )
         super().__init__(params, defaults)
 

@@ -94,6 +94,7 @@ class Ranger(RAdam):
         *,
         maximize: bool = False,
         fp32_state: bool = False,
+        gradient_release: bool = False,
     ) -> None:
         defaults = dict(
             lr=lr,
@@ -109,6 +110,7 @@ class Ranger(RAdam):
             foreach=foreach,
             maximize=maximize,
             fp32_state=fp32_state,
+            gradient_release=gradient_release,
         )
         BaseOptimizer.__init__(self, params, defaults)
 

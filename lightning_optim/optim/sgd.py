@@ -68,6 +68,7 @@ class SGD(BaseOptimizer):
         decouple_lr: bool = False,
         max_lr: float | None = None,
         fp32_state: bool = False,
+        gradient_release: bool = False,
     ) -> None:
         if differentiable:
             raise ValueError("differentiable: not supported by lightning_optim.SGD; leave it False")
@@ -85,6 +86,7 @@ class SGD(BaseOptimizer):
             decouple_lr=decouple_lr,
             max_lr=max_lr,
             fp32_state=fp32_state,
+            gradient_release=gradient_release,
         )
         super().__init__(params, defaults)
 

@@ -67,6 +67,7 @@ class SignSGD(BaseOptimizer):
         decouple_lr: bool = False,
         max_lr: float | None = None,
         fp32_state: bool = False,
+        gradient_release: bool = False,
     ) -> None:
         defaults = dict(
             lr=lr,
@@ -80,6 +81,7 @@ class SignSGD(BaseOptimizer):
             decouple_lr=decouple_lr,
             max_lr=max_lr,
             fp32_state=fp32_state,
+            gradient_release=gradient_release,
         )
         super().__init__(params, defaults)
 

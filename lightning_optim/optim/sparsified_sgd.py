@@ -84,6 +84,7 @@ class SparsifiedSGD(BaseOptimizer):
         foreach: bool | None = None,
         kahan_sum: bool | None = None,
         fp32_state: bool = False,
+        gradient_release: bool = False,
     ) -> None:
         if generator is not None and not isinstance(generator, torch.Generator):
             raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
@@ -102,6 +103,7 @@ class SparsifiedSGD(BaseOptimizer):
             foreach=foreach,
             kahan_sum=kahan_sum,
             fp32_state=fp32_state,
+            gradient_release=gradient_release,
         )
         super().__init__(params, defaults)
 

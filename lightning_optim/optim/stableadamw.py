@@ -63,6 +63,7 @@ class StableAdamW(BaseOptimizer):
         kahan_sum: bool | None = None,
         foreach: bool | None = None,
         fp32_state: bool = False,
+        gradient_release: bool = False,
         maximize: bool = False,
     ) -> None:
         defaults = dict(
@@ -75,6 +76,7 @@ class StableAdamW(BaseOptimizer):
             kahan_sum=kahan_sum,
             foreach=foreach,
             fp32_state=fp32_state,
+            gradient_release=gradient_release,
             maximize=maximize,
         )
         super().__init__(params, defaults)

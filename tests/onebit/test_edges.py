@@ -42,6 +42,7 @@ BAD = {
     "process_group": [("x", TypeError, "process_group must be None"), (3, TypeError, "process_group")],
     "average_grads": [("yes", TypeError, "average_grads must be True or False")],
     "kahan_sum": [("yes", TypeError, "kahan_sum")],
+    "gradient_release": [("yes", TypeError, "gradient_release"), (True, ValueError, "gradient_release: not possible")],
     "auto_mask": [(1.0, ValueError, "auto_mask must be in [0, 1)"), (-0.1, ValueError, "auto_mask"),
                   ("x", TypeError, "auto_mask"), (None, TypeError, "auto_mask must be True, False or a ratio")],
     "max_coeff": [(0.0, ValueError, "max_coeff")],

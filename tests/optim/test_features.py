@@ -68,6 +68,34 @@ def test_gradient_release_equals_normal_step_and_follows_scheduler_after_reload(
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=str)
+def test_gradient_release_flag_works_as_in_optimi(spec):
+    """optimi's ``gradient_release=True`` constructor flag and its hook body ``step(param=p)`` +
+    ``zero_grad(param=p)``: equal to a normal step; refused at construction where release is impossible."""
+    if not spec.releases:
+        with pytest.raises(ValueError, match="gradient_release: not possible"):
+            spec.cls(_mlp().parameters(), **spec.kwargs, gradient_release=True)
+        return
+    normal_model, manual_model = _mlp(), _mlp()
+    normal = spec.cls(normal_model.parameters(), **{**spec.kwargs, "foreach": False})
+    manual = spec.cls(manual_model.parameters(), **spec.kwargs, gradient_release=True)
+    assert manual.defaults["gradient_release"] is True
+    assert "gradient_release" not in manual.state_dict()["param_groups"][0]
+    for x, y in _batches(3):
+        torch.nn.functional.mse_loss(normal_model(x), y).backward()
+        normal.step()
+        normal.zero_grad()
+        torch.nn.functional.mse_loss(manual_model(x), y).backward()
+        with pytest.raises(ValueError, match="closure"):
+            manual.step(closure=lambda: 0.0, param=next(manual_model.parameters()))
+        for p in manual_model.parameters():
+            manual.step(param=p)
+            manual.zero_grad(param=p)
+        assert all(p.grad is None for p in manual_model.parameters())
+    for a, b in zip(normal_model.parameters(), manual_model.parameters()):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=str)
 def test_state_dict_round_trip_continues_bit_identically(spec):
     base = make_params()
     grads = grad_stream(steps=10)
