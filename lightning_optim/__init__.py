@@ -37,6 +37,7 @@ from lightning_optim.optim import (
     prepare_for_gradient_release,
     remove_gradient_release,
 )
+from lightning_optim.precision import DynamicLossScaler, FP16Optimizer, MasterWeights
 
 __all__ = [
     "SGD",
@@ -44,12 +45,15 @@ __all__ = [
     "AdamW",
     "Adan",
     "CPUAdam",
+    "DynamicLossScaler",
+    "FP16Optimizer",
     "FusedAdam",
     "FusedLamb",
     "FusedSGD",
     "Lamb",
     "Lars",
     "Lion",
+    "MasterWeights",
     "OnebitAdam",
     "OnebitLamb",
     "RAdam",

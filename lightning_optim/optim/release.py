@@ -5,10 +5,12 @@ looks the param group up at call time, so LR schedulers keep driving the update,
 ``optimizer.load_state_dict`` (which replaces the group dicts). ``step()`` and ``zero_grad()``
 become no-ops, so training loops that call them keep working.
 
-Single-process only for now: under DDP a post-accumulate hook sees the local, un-averaged
-gradient, so ranks would silently diverge. The check holds whenever a hook fires, not only when the
-hooks are registered: hooks prepared before the process group existed (e.g. before ``Accelerator()``)
-and then run under a world size > 1 raise before stepping anything.
+Under DDP pass the ``DistributedDataParallel`` model: the update then runs in DDP's comm hook,
+after each bucket is averaged (:mod:`lightning_optim.optim.release_ddp`). A plain module's
+post-accumulate hooks see the local, un-averaged gradient, so with more than one rank they refuse
+to step. That check holds whenever a hook fires, not only when the hooks are registered: hooks
+prepared before the process group existed (e.g. before ``Accelerator()``) and then run under a
+world size > 1 raise before stepping anything.
 
 Limits: anything that needs all gradients at once after backward (global-norm clipping,
 GradScaler unscaling, gradient accumulation across backward calls) does not see the gradients;
@@ -21,6 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_optim.optim.base import BaseOptimizer
+from lightning_optim.optim.release_ddp import ReleaseHookState, register_ddp_release
 
 _HANDLES_ATTR = "_lightning_optim_release"
 
@@ -30,14 +33,16 @@ def _refuse_distributed() -> None:
         world = torch.distributed.get_world_size()
         if world > 1:
             raise RuntimeError(
-                f"gradient release is single-process for now: with {world} ranks its hooks would step "
-                "un-averaged local gradients and the ranks would drift apart (remove_gradient_release, "
-                "or train without it under DDP)"
+                f"gradient release on a plain module is single-process: with {world} ranks its hooks would "
+                "step un-averaged local gradients and the ranks would drift apart. Wrap the model in "
+                "DistributedDataParallel first and pass the DDP model to prepare_for_gradient_release "
+                "(remove_gradient_release undoes this preparation)"
             )
 
 
 def prepare_for_gradient_release(model: nn.Module, optimizer: BaseOptimizer) -> None:
-    """Register per-parameter post-accumulate-grad hooks that step ``optimizer``.
+    """Register per-parameter post-accumulate-grad hooks that step ``optimizer`` (a DDP model: its
+    comm hook steps each averaged bucket instead, see :mod:`~lightning_optim.optim.release_ddp`).
 
     Every parameter of ``optimizer`` must belong to ``model``.
     """
@@ -52,7 +57,9 @@ def prepare_for_gradient_release(model: nn.Module, optimizer: BaseOptimizer) -> 
         raise ValueError(f"optimizer: gradient release is not possible: {blocker}")
     if getattr(model, _HANDLES_ATTR, None) is not None:
         raise RuntimeError("model: gradient release is already prepared; call remove_gradient_release first")
-    _refuse_distributed()
+    ddp = isinstance(model, nn.parallel.DistributedDataParallel)
+    if not ddp:
+        _refuse_distributed()
     model_params = {id(p) for p in model.parameters()}
     opt_params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
     missing = [i for i, p in enumerate(opt_params) if id(p) not in model_params]
@@ -64,7 +71,11 @@ def prepare_for_gradient_release(model: nn.Module, optimizer: BaseOptimizer) -> 
         optimizer.step_param(p)
         p.grad = None
 
-    handles = [p.register_post_accumulate_grad_hook(hook) for p in opt_params]
+    if ddp:
+        state = register_ddp_release(model, optimizer)
+        handles = [state]
+    else:
+        handles = [p.register_post_accumulate_grad_hook(hook) for p in opt_params]
     setattr(model, _HANDLES_ATTR, (handles, optimizer))
     optimizer._released = True
 
@@ -76,6 +87,11 @@ def remove_gradient_release(model: nn.Module) -> None:
         return
     handles, optimizer = prepared
     for handle in handles:
-        handle.remove()
+        if isinstance(handle, ReleaseHookState):  # DDP keeps its comm hook: make it plain averaging
+            handle.active = False
+            handle.forward_hook.remove()
+            handle.drop_stepped_grads()
+        else:
+            handle.remove()
     optimizer._released = False
     delattr(model, _HANDLES_ATTR)
