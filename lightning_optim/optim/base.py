@@ -352,12 +352,14 @@ class BaseOptimizer(torch.optim.Optimizer):
                 s["step"] += 1
             batch_params = [params[i] for i in idx]
             batch = Batch(batch_params, bucket_grads, states, states[0]["step"], dtype)
-            if apply and self._param_copies:
-                copies = [self._param_copies.get(id(p)) for p in batch_params]
-                batch.copies = copies if all(c is not None for c in copies) else None
+            copies = [self._param_copies.get(id(p)) for p in batch_params] if apply and self._param_copies else []
+            if copies and all(c is not None for c in copies):
+                batch.copies = copies  # a kernel may write them in its own pass
             self._update(group, batch, apply)
-            if batch.copies and not batch.copies_written:
-                torch._foreach_copy_(batch.copies, batch.params)
+            if not batch.copies_written:
+                pairs = [(c, p) for c, p in zip(copies, batch_params) if c is not None]
+                if pairs:
+                    torch._foreach_copy_([c for c, _ in pairs], [p for _, p in pairs])
 
     def _update(self, group: dict[str, Any], batch: Batch, apply: bool) -> None:
         """Update the states of ``batch``; when ``apply``, also update the parameters."""

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_optim.precision.loss_scaler import found_non_finite
+from lightning_optim.precision.loss_scaler import DynamicLossScaler, found_non_finite
 
 __all__ = ["MasterWeights"]
 
@@ -63,7 +63,7 @@ class MasterWeights:
                     optimizer.state[m] = optimizer.state.pop(p)
                 swapped.append(m)
             group["params"] = swapped
-        if hasattr(optimizer, "set_param_copies"):
+        if getattr(optimizer, "writes_param_copies", False):
             optimizer.set_param_copies([(m, p) for p, m in self._copied])
         for attr in ("_group_index", "_layout"):
             if getattr(optimizer, attr, None) is not None:
@@ -97,6 +97,33 @@ class MasterWeights:
         """``p <- round16(m)`` for every param with a separate master."""
         if self._copied:
             torch._foreach_copy_([p for p, _ in self._copied], [m for _, m in self._copied])
+
+    def step(self, optimizer: torch.optim.Optimizer, scaler: DynamicLossScaler | None = None,
+             max_grad_norm: float | None = None) -> bool:
+        """One whole master-weights step after ``backward`` (on ``scaler.scale(loss)`` when a scaler is given).
+
+        Unscales into the masters; with a scaler, an inf/NaN on any rank skips the step everywhere
+        and backs the scale off (without one, NaN/Inf flow into the update as in torch). Clips the
+        fp32 master grads to ``max_grad_norm``, steps, and rounds the masters into the model.
+        Returns whether the optimizer stepped.
+        """
+        found = self.grads_to_masters(1.0 if scaler is None else 1.0 / scaler.loss_scale)
+        if scaler is not None:
+            overflow = scaler.agree(found)
+            scaler.update(overflow)
+            if overflow:
+                self.zero_master_grads()
+                return False
+        if max_grad_norm is not None:
+            nn.utils.clip_grad_norm_([m for m in self.masters if m.grad is not None], max_grad_norm)
+        optimizer.step()
+        self.after_step(optimizer)
+        return True
+
+    def after_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Round the masters into the model, unless ``optimizer`` already wrote the copies in its step."""
+        if not (getattr(optimizer, "writes_param_copies", False) and getattr(optimizer, "_param_copies", None)):
+            self.masters_to_model()
 
     def zero_master_grads(self) -> None:
         for m in self.masters:
