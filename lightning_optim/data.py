@@ -18,7 +18,7 @@ from typing import Optional, Union
 
 import lightning as L
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, RandomSampler
 
 SKIPPED_DIRS = {"site-packages", "dist-packages", "__pycache__"}  # third-party code varies by machine
 
@@ -115,6 +115,24 @@ class RandomWindows(Dataset):
         return self.data[start : start + self.window].long()
 
 
+class EpochSeededSampler(RandomSampler):
+    """A random order drawn from ``(seed, epoch)`` only, so a run resumed from a checkpoint sees the
+    same batches as the uninterrupted run (a plain RandomSampler draws from the global RNG, whose
+    state a checkpoint does not hold). Lightning calls ``set_epoch``; under DDP it replaces this
+    sampler (a RandomSampler) by a shuffling DistributedSampler, which is epoch-seeded too."""
+
+    def __init__(self, data_source: Dataset, seed: int) -> None:
+        super().__init__(data_source)
+        self.seed, self.epoch = seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):
+        generator = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
+        yield from torch.randperm(len(self.data_source), generator=generator).tolist()
+
+
 class ByteDataModule(L.LightningDataModule):
     """Byte-level language-modelling data (vocabulary of 256).
 
@@ -186,7 +204,7 @@ class ByteDataModule(L.LightningDataModule):
         return DataLoader(
             dataset,
             batch_size=self.batch_size,
-            shuffle=shuffle,
+            sampler=EpochSeededSampler(dataset, self.seed) if shuffle else None,
             drop_last=drop_last,
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,

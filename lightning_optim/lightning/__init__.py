@@ -1,4 +1,4 @@
-"""Lightning adapters for the 1-bit optimizers (no math here; see ``lightning_optim.onebit``).
+"""Lightning adapters (no math here; see ``lightning_optim.onebit``, ``.precision``, ``.optim``).
 
 * :class:`OnebitAdamStrategy`, :class:`ZeroOneAdamStrategy`, :class:`OnebitLambStrategy`
   (``strategies.py``), registered as ``"onebit_adam"``, ``"zero_one_adam"``, ``"onebit_lamb"``
@@ -6,6 +6,8 @@
   (``registry.py``); the ``pytorch_lightning`` classes live in ``pl_strategies.py``.
 * :class:`CommTelemetry` (``callbacks.py``): ``comm/*`` metrics per step.
 * :func:`to_onebit` (``convert.py``): the optimizer conversion the strategies use.
+* :class:`MasterWeightsPrecision`, :class:`KahanPrecision` (``precision.py``): precision plugins.
+* :class:`GradientRelease` (``release.py``): gradient release on one device and under DDP.
 
 Importing this package does not import Lightning; the names above load it on first access.
 """
@@ -15,7 +17,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = ["OnebitAdamStrategy", "ZeroOneAdamStrategy", "OnebitLambStrategy", "CommTelemetry", "to_onebit"]
+__all__ = ["OnebitAdamStrategy", "ZeroOneAdamStrategy", "OnebitLambStrategy", "CommTelemetry", "to_onebit",
+           "MasterWeightsPrecision", "KahanPrecision", "GradientRelease"]
 
 _WHERE = {
     "OnebitAdamStrategy": "strategies",
@@ -23,6 +26,9 @@ _WHERE = {
     "OnebitLambStrategy": "strategies",
     "CommTelemetry": "callbacks",
     "to_onebit": "convert",
+    "MasterWeightsPrecision": "precision",
+    "KahanPrecision": "precision",
+    "GradientRelease": "release",
 }
 
 
