@@ -60,6 +60,25 @@ def _optimizer(options: dict[str, Any]) -> torch.optim.Optimizer:
     return factory([torch.zeros(4, 3, requires_grad=True), torch.zeros(3, requires_grad=True)])
 
 
+def _check_release(cfg: dict[str, Any], strategy_cfg: dict[str, Any], precision_cfg: dict[str, Any]) -> None:
+    """``gradient_release``: a bool, and none of the settings GradientRelease refuses at fit start."""
+    release = cfg.get("gradient_release", False)
+    if not isinstance(release, bool):
+        raise ConfigError(f"gradient_release: must be true or false, got {release!r}")
+    if not release:
+        return
+    clip = cfg.get("trainer", {}).get("gradient_clip_val")
+    if clip:
+        raise ConfigError(f"gradient_release: conflicts with trainer.gradient_clip_val={clip} (each gradient is "
+                          "stepped and freed during backward); add trainer.gradient_clip_val=null")
+    if precision_cfg.get("name") == "16-mixed" or "MasterWeightsPrecision" in str(precision_cfg.get("_target_")):
+        raise ConfigError("gradient_release: conflicts with precision (loss scaling checks the whole model before "
+                          "stepping); use precision=32-true, bf16-mixed or bf16_kahan")
+    if "Onebit" in str(strategy_cfg.get("_target_")) or "ZeroOne" in str(strategy_cfg.get("_target_")):
+        raise ConfigError("gradient_release: conflicts with the 1-bit strategy (it communicates the whole model's "
+                          "momentum in one step); use strategy=ddp or strategy=auto")
+
+
 def check_config(cfg: dict[str, Any]) -> None:
     """Raise :class:`ConfigError` for the first bad value of the optimizer, strategy or scheduler."""
     optimizer = _check("optimizer", cfg["optimizer"], _optimizer)
@@ -74,6 +93,10 @@ def check_config(cfg: dict[str, Any]) -> None:
                 to_onebit(optimizer, target, getattr(strategy, "_knobs", {}))
             except (TypeError, ValueError) as exc:
                 raise ConfigError(f"optimizer (converted by strategy={strategy_cfg['_target_']}): {exc}") from None
+    precision_cfg = cfg.get("precision") or {}
+    if "_target_" in precision_cfg:
+        _check("precision", precision_cfg, hydra.utils.instantiate)
+    _check_release(cfg, strategy_cfg, precision_cfg)
     scheduler = cfg.get("scheduler")
     if scheduler:
         for key, low, high in (("warmup_steps", 0, None), ("min_lr_ratio", 0.0, 1.0)):

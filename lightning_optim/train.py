@@ -57,13 +57,21 @@ def lightning_arg(option: dict[str, Any]) -> Any:
 
 
 def build_trainer(cfg: dict[str, Any], output_dir: Path, callbacks: list[L.Callback]) -> L.Trainer:
-    """A Lightning Trainer from the ``trainer``, ``strategy`` and ``precision`` groups."""
+    """A Lightning Trainer from the ``trainer``, ``strategy`` and ``precision`` groups (a precision
+    plugin option, ``_target_``, goes to ``plugins``) and the ``gradient_release`` switch."""
     # name="" and version="" put metrics.csv (and checkpoints/) straight into the run directory.
     logger = CSVLogger(save_dir=str(output_dir), name="", version="")
+    precision = lightning_arg(cfg["precision"])
+    plugin = not isinstance(precision, str)
+    if cfg.get("gradient_release"):
+        from lightning_optim.lightning import GradientRelease
+
+        callbacks = [*callbacks, GradientRelease()]
     return L.Trainer(
         **cfg["trainer"],
         strategy=lightning_arg(cfg["strategy"]),
-        precision=lightning_arg(cfg["precision"]),
+        precision=None if plugin else precision,
+        plugins=[precision] if plugin else None,
         logger=logger,
         callbacks=callbacks,
         default_root_dir=str(output_dir),

@@ -87,3 +87,33 @@ def test_a_zero_step_run_reports(tmp_path):
     done = _job("trainer.max_steps=0", "scheduler=null", "strategy=auto", "trainer.devices=1", cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "train loss (last step)  n/a (no training step)" in done.stdout
+
+
+PRECISIONS = sorted(p.name[:-5] for p in (CONF / "precision").iterdir() if p.name.endswith(".yaml"))
+
+
+@pytest.mark.parametrize("precision", [p for p in PRECISIONS if p.endswith(("_master", "_kahan"))])
+def test_precision_plugin_options_are_checked_by_key(compose_train, precision):
+    cfg = OmegaConf.to_container(compose_train(f"precision={precision}", "strategy=auto"), resolve=True)
+    check_config(cfg)
+    numeric = _numeric_fields(cfg["precision"])
+    for key in numeric:
+        bad = dict(cfg, precision={**cfg["precision"], key: -1.0})
+        with pytest.raises(ConfigError, match=rf"^precision.{key}: "):
+            check_config(bad)
+
+
+@pytest.mark.parametrize("overrides,conflict", [
+    (("strategy=ddp",), "trainer.gradient_clip_val=1.0"),
+    (("strategy=ddp", "trainer.gradient_clip_val=null", "precision=fp16_master"), "conflicts with precision"),
+    (("strategy=ddp", "trainer.gradient_clip_val=null", "precision=16-mixed"), "conflicts with precision"),
+    (("trainer.gradient_clip_val=null",), "conflicts with the 1-bit strategy"),
+])
+def test_gradient_release_conflicts_are_reported_up_front(compose_train, overrides, conflict):
+    cfg = OmegaConf.to_container(compose_train("gradient_release=true", *overrides), resolve=True)
+    with pytest.raises(ConfigError, match=rf"^gradient_release: {conflict}" if conflict.startswith("conf")
+                       else rf"^gradient_release: conflicts with {conflict}"):
+        check_config(cfg)
+    cfg["gradient_release"] = "yes"
+    with pytest.raises(ConfigError, match="^gradient_release: must be true or false"):
+        check_config(cfg)

@@ -111,6 +111,8 @@ class MasterWeightsPrecision(_LowPrecisionModule):
         self.skipped_steps = 0
 
     def connect(self, model: nn.Module, optimizers: list[Any], lr_schedulers: list[Any]) -> tuple:
+        if not optimizers:  # validate/test/predict: nothing to step
+            return model, optimizers, lr_schedulers
         if len(optimizers) != 1:
             raise ValueError(f"MasterWeightsPrecision: needs exactly one optimizer, got {len(optimizers)}")
         optimizer = optimizers[0]

@@ -95,6 +95,9 @@ class FP16Optimizer:
             raise ValueError(f"use_cuda={use_cuda} but the model's parameters are on {next(iter(devices))}")
         if _distributed() and dist.get_world_size() != world_size:
             raise ValueError(f"world_size: {world_size} given, but the process group has {dist.get_world_size()} ranks")
+        if not _distributed() and world_size > 1:
+            raise ValueError(f"world_size: {world_size} given, but no process group is initialised (call "
+                             "torch.distributed.init_process_group first, e.g. under torchrun)")
         if world_size > 1 and not (average_world or average_custom):
             raise ValueError("average_world / average_custom: with world_size > 1 the summed gradient must be "
                              "averaged; pass average_world=True (or average_custom=True with step(denom=...))")

@@ -75,6 +75,8 @@ def loss_fn(model: nn.Module, x, y) -> torch.Tensor:
 
 def forward_backward(fp: FP16Optimizer, rank: int, step: int, data_scale: float = 1.0) -> None:
     fp.zero_grad()
+    assert all(p.grad is None or not bool(p.grad.any()) for p in fp.fp16_model.parameters())
+    assert fp.fp32_params.grad is None or not bool(fp.fp32_params.grad.any())
     x, y = batch(rank, step, data_scale)
     fp.backward_loss(loss_fn(fp.fp16_model, x, y))
 
@@ -203,6 +205,8 @@ def test_bad_arguments_name_the_argument():
         FP16Optimizer(make_model(), 1, grad_clip=-1.0)
     with pytest.raises(ValueError, match="use_cuda"):
         FP16Optimizer(make_model(), 1, use_cuda=True)
+    with pytest.raises(ValueError, match="world_size: 2 given, but no process group"):  # nothing to average over
+        FP16Optimizer(make_model(), 2, average_world=True)
 
     fp = FP16Optimizer(make_model(), 1, average_world=True)
     forward_backward(fp, 0, 0)
@@ -220,6 +224,8 @@ def test_bad_arguments_name_the_argument():
     forward_backward(custom, 0, 0)
     with pytest.raises(ValueError, match="denom"):
         custom.step()
+    with pytest.raises(ValueError, match="denom"):
+        custom.step(denom=0.0)
     assert torch.equal(custom.fp32_params.detach(), before)
     fp.set_optimizer(torch.optim.SGD([fp.fp32_params], lr=0.1))
     with pytest.raises(ValueError, match="denom"):  # a denom without average_custom
