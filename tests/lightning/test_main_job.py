@@ -63,3 +63,20 @@ def test_cli_default_runs_two_processes_and_rank_0_writes(tmp_path: Path):
     assert (run_dir / "train_ddp_process_1.log").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
     assert len(list(tmp_path.rglob("summary.json"))) == 1 and len(list(tmp_path.rglob(".hydra"))) == 1
+
+
+def test_cli_gradient_release_with_bf16_kahan_under_ddp(tmp_path: Path):
+    """``gradient_release=true precision=bf16_kahan strategy=ddp``: two processes, the release hook
+    steps every bucket, the loss goes down, the norm layers stay fp32."""
+    run_dir = tmp_path / "run"
+    command = [sys.executable, "-m", "lightning_optim.train", "trainer=smoke", "trainer.max_steps=8",
+               "trainer.val_check_interval=8", "strategy=ddp", "trainer.devices=2", "precision=bf16_kahan",
+               "gradient_release=true", "trainer.gradient_clip_val=null", "data.max_bytes=100000",
+               "model.n_layer=1", "model.d_model=64", f"hydra.run.dir={run_dir}"]
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["steps"] == 8
+    assert summary["final_val_loss"] < summary["initial_val_loss"]
+    assert summary["config"]["gradient_release"] is True

@@ -1,0 +1,97 @@
+"""Final validation loss of the 16-bit precision options vs fp32 on the main job, one process.
+
+=====================  ============================================  =========================
+run                    what                                          goal vs ``32-true``
+=====================  ============================================  =========================
+``32-true``            fp32 params, lightning_optim.AdamW            baseline
+``fp16_master``        fp16 model, fp32 masters, loss scaling        within 1%
+``bf16_kahan``         bf16 params (norms fp32), Kahan summation     within 1%
+``bf16-true``          bf16 params, no Kahan (contrast)              none: shows what Kahan buys
+=====================  ============================================  =========================
+
+    python benchmarks/precision_convergence.py                        # 200 steps
+    python benchmarks/precision_convergence.py trainer.max_steps=400  # extra overrides go to every run
+
+Same seed, data and schedule for every run (``strategy=auto trainer.devices=1``). Prints a table
+and a JSON line, plots the validation curves to ``docs/precision_convergence.png``. On CPU, fp16
+matmuls are slow (no fp16 units): compare the losses here, not the times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from comm import machine_facts  # noqa: E402  (benchmarks/comm.py)
+from convergence import run  # noqa: E402  (benchmarks/convergence.py: one main-job run)
+
+REPO = Path(__file__).resolve().parents[1]
+ONE = ["strategy=auto", "trainer.devices=1", "optimizer=adamw"]
+RUNS = {
+    "32-true": [*ONE, "precision=32-true"],
+    "fp16_master": [*ONE, "precision=fp16_master"],
+    "bf16_kahan": [*ONE, "precision=bf16_kahan"],
+    "bf16-true (no Kahan)": [*ONE, "precision=32-true", "precision.name=bf16-true", "+optimizer.kahan_sum=false"],
+}
+GOALS = {"fp16_master": 0.01, "bf16_kahan": 0.01}
+
+
+def plot(results: dict, png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for (name, result), style in zip(results.items(), ("o-", "s--", "^--", "x:")):
+        steps, losses = zip(*result["val_curve"])
+        ax.plot(steps, losses, style, label=f"{name}: {losses[-1]:.4f}")
+    ax.set_xlabel("step")
+    ax.set_ylabel("validation loss (nats per byte)")
+    ax.set_title("lightning-optim main job, 1 CPU process: 16-bit precision options vs fp32", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=None, help="where the run directories go")
+    parser.add_argument("--png", type=Path, default=REPO / "docs" / "precision_convergence.png")
+    parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for every run")
+    args = parser.parse_args(argv)
+    overrides = args.overrides or ["trainer.max_steps=200"]
+    out = args.out or Path(tempfile.mkdtemp(prefix="precision-"))
+    out.mkdir(parents=True, exist_ok=True)
+    results = {}
+    for name, run_overrides in RUNS.items():
+        results[name] = run(name, run_overrides, overrides, out)
+        s = results[name]["summary"]
+        print(f"{name:22s} val {s['initial_val_loss']:.3f} -> {s['final_val_loss']:.4f}  "
+              f"train tokens/s {s['train_tokens_per_sec']:,.0f}  wall {results[name]['wall_s']:.0f}s", flush=True)
+    base = results["32-true"]["summary"]["final_val_loss"]
+    table = []
+    for name, result in results.items():
+        val = result["summary"]["final_val_loss"]
+        goal = GOALS.get(name)
+        table.append({"run": name, "final_val": val, "gap": val / base - 1, "goal": goal,
+                      "met": None if goal is None else abs(val / base - 1) <= goal})
+        print(f"{name:22s} {val:.4f} vs 32-true {base:.4f}: {val / base - 1:+.2%}"
+              + ("" if goal is None else f" (goal within {goal:.0%}: {'met' if table[-1]['met'] else 'NOT met'})"))
+    facts = machine_facts()
+    print(f"machine: {facts['cpu']}, {facts['cores']} cores, torch {facts['torch']}; overrides: {overrides}")
+    plot(results, args.png)
+    print(f"plot: {args.png}")
+    print("JSON " + json.dumps({"table": table, "machine": facts, "overrides": overrides,
+                                "curves": {k: v["val_curve"] for k, v in results.items()}}))
+
+
+if __name__ == "__main__":
+    main()
