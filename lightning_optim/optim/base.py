@@ -343,23 +343,28 @@ class BaseOptimizer(torch.optim.Optimizer):
     def _step_params(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor],
                      plan: list | None = None) -> None:
         apply = not self._optimizer_accumulation
-        maximize = group.get("maximize")
         for idx, states, dtype in plan if plan is not None else self._plan(group, params):
-            bucket_grads = [grads[i] for i in idx]
-            if maximize:
-                bucket_grads = torch._foreach_neg(bucket_grads)
             for s in states:
                 s["step"] += 1
-            batch_params = [params[i] for i in idx]
-            batch = Batch(batch_params, bucket_grads, states, states[0]["step"], dtype)
-            copies = [self._param_copies.get(id(p)) for p in batch_params] if apply and self._param_copies else []
-            if copies and all(c is not None for c in copies):
-                batch.copies = copies  # a kernel may write them in its own pass
-            self._update(group, batch, apply)
-            if not batch.copies_written:
-                pairs = [(c, p) for c, p in zip(copies, batch_params) if c is not None]
-                if pairs:
-                    torch._foreach_copy_([c for c, _ in pairs], [p for _, p in pairs])
+            step = states[0]["step"]
+            for a, b in _slices([params[i].numel() for i in idx], dtype):
+                part = idx[a:b]
+                self._step_batch(group, [params[i] for i in part], [grads[i] for i in part], states[a:b], step,
+                                 dtype, apply)
+
+    def _step_batch(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor],
+                    states: list[dict[str, Any]], step: int, dtype: torch.dtype, apply: bool) -> None:
+        if group.get("maximize"):
+            grads = torch._foreach_neg(grads)
+        batch = Batch(params, grads, states, step, dtype)
+        copies = [self._param_copies.get(id(p)) for p in params] if apply and self._param_copies else []
+        if copies and all(c is not None for c in copies):
+            batch.copies = copies  # a kernel may write them in its own pass
+        self._update(group, batch, apply)
+        if not batch.copies_written:
+            pairs = [(c, p) for c, p in zip(copies, params) if c is not None]
+            if pairs:
+                torch._foreach_copy_([c for c, _ in pairs], [p for _, p in pairs])
 
     def _update(self, group: dict[str, Any], batch: Batch, apply: bool) -> None:
         """Update the states of ``batch``; when ``apply``, also update the parameters."""
@@ -478,6 +483,26 @@ class BaseOptimizer(torch.optim.Optimizer):
             saved = prepared["state"].get(saved_id)
             if saved is not None:
                 self.state[p] = dict(saved)  # torch's casts replaced by the decided dtypes
+
+
+# Elements per slice of a bucket whose math runs in torch on 16-bit states (the compiled kernels
+# compute in fp32 only): the foreach path's fp32 temporaries (Kahan's y/old/new, Adam's deltas)
+# are then bounded by a slice, not the bucket (~24 bytes per element: 50M bf16 params would need 1.2 GB).
+TORCH_PATH_SLICE = 1 << 20
+
+
+def _slices(numels: list[int], dtype: torch.dtype) -> list[tuple[int, int]]:
+    """``[(0, n)]``, or runs of about ``TORCH_PATH_SLICE`` elements for 16-bit compute."""
+    if dtype not in LOW_PRECISION or not numels:
+        return [(0, len(numels))]
+    out, start, size = [], 0, 0
+    for i, n in enumerate(numels):
+        if i > start and size + n > TORCH_PATH_SLICE:
+            out.append((start, i))
+            start, size = i, 0
+        size += n
+    out.append((start, len(numels)))
+    return out
 
 
 def _check_grad(grad: Tensor) -> None:

@@ -292,3 +292,21 @@ def test_bucket_states_share_one_buffer_saved_once_and_repacked_after_reload():
     assert len(buffers("exp_avg")) == 20  # load_state_dict makes owning copies...
     opt.step()
     assert len(buffers("exp_avg")) == 1  # ...which the next step packs again
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=str)
+def test_slicing_16_bit_buckets_changes_no_result(spec, monkeypatch):
+    """Buckets on 16-bit states are stepped in slices (bounded fp32 temporaries): bitwise the same."""
+    import lightning_optim.optim.base as base
+
+    def run(slice_numel):
+        monkeypatch.setattr(base, "TORCH_PATH_SLICE", slice_numel)
+        params = [p.detach().to(torch.bfloat16).requires_grad_() for p in make_params()]
+        opt = spec.cls(params, **spec.kwargs)
+        run_steps(opt, params, grad_stream(steps=3))
+        return params
+
+    whole, sliced = run(1 << 30), run(7)
+    assert sum(p.numel() for p in whole) > 7 * 3  # several slices
+    for a, b in zip(whole, sliced):
+        assert torch.equal(a, b)
