@@ -59,17 +59,36 @@ def run(name: str, overrides: list[str], extra: list[str], out: Path) -> dict:
     return {"summary": summary, "val_curve": curve, "wall_s": time.perf_counter() - start}
 
 
-def plot(results: dict, png: Path) -> None:
+def draw_curve(ax, name: str, curve: list[tuple[int, float]], style: str) -> None:
+    """One validation curve, labelled with its final loss."""
+    steps, losses = zip(*curve)
+    ax.plot(steps, losses, style, label=f"{name}: {losses[-1]:.3f}")
+
+
+def save_figure(fig, png: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+
+
+def pyplot():
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def plot(results: dict, png: Path) -> None:
+    plt = pyplot()
     fig, axes = plt.subplots(1, len(PAIRS), figsize=(5 * len(PAIRS), 4), sharey=True)
     for ax, (onebit, base, goal) in zip(axes, PAIRS):
         for name, style in ((base, "o-"), (onebit, "s--")):
-            steps, losses = zip(*results[name]["val_curve"])
-            ax.plot(steps, losses, style, label=f"{name}: {losses[-1]:.3f}")
+            draw_curve(ax, name, results[name]["val_curve"], style)
         gap = results[onebit]["summary"]["final_val_loss"] / results[base]["summary"]["final_val_loss"] - 1
         ax.set_title(f"{onebit} vs {base}\nfinal gap {gap:+.1%} (goal within {goal:.0%})", fontsize=10)
         ax.set_xlabel("step")
@@ -77,10 +96,7 @@ def plot(results: dict, png: Path) -> None:
         ax.legend()
     axes[0].set_ylabel("validation loss (nats per byte)")
     fig.suptitle("lightning-optim main job, 2 CPU processes: 1-bit optimizers vs full precision", fontsize=11)
-    fig.tight_layout()
-    png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png, dpi=110)
-    plt.close(fig)
+    save_figure(fig, png)
 
 
 def main(argv: list[str] | None = None) -> None:

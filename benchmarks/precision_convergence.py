@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from comm import machine_facts  # noqa: E402  (benchmarks/comm.py)
-from convergence import run  # noqa: E402  (benchmarks/convergence.py: one main-job run)
+from convergence import draw_curve, pyplot, run, save_figure  # noqa: E402  (benchmarks/convergence.py)
 
 REPO = Path(__file__).resolve().parents[1]
 ONE = ["strategy=auto", "trainer.devices=1", "optimizer=adamw"]
@@ -35,51 +35,55 @@ RUNS = {
     "32-true": [*ONE, "precision=32-true"],
     "fp16_master": [*ONE, "precision=fp16_master"],
     "bf16_kahan": [*ONE, "precision=bf16_kahan"],
-    "bf16-true (no Kahan)": [*ONE, "precision=32-true", "precision.name=bf16-true", "+optimizer.kahan_sum=false"],
+    "bf16-true, no Kahan": [*ONE, "precision=32-true", "precision.name=bf16-true", "+optimizer.kahan_sum=false"],
 }
 GOALS = {"fp16_master": 0.01, "bf16_kahan": 0.01}
 
 
 def plot(results: dict, png: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for (name, result), style in zip(results.items(), ("o-", "s--", "^--", "x:")):
-        steps, losses = zip(*result["val_curve"])
-        ax.plot(steps, losses, style, label=f"{name}: {losses[-1]:.4f}")
+    fig, ax = pyplot().subplots(figsize=(7, 4.5))
+    for name, style in zip([n for n in RUNS if n in results], ("o-", "s--", "^--", "x:")):
+        draw_curve(ax, name, results[name]["val_curve"], style)
     ax.set_xlabel("step")
     ax.set_ylabel("validation loss (nats per byte)")
     ax.set_title("lightning-optim main job, 1 CPU process: 16-bit precision options vs fp32", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png, dpi=110)
-    plt.close(fig)
+    save_figure(fig, png)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=None, help="where the run directories go")
     parser.add_argument("--png", type=Path, default=REPO / "docs" / "precision_convergence.png")
+    parser.add_argument("--only", nargs="*", default=None, help="run names to run (default: all)")
+    parser.add_argument("--reuse", type=Path, default=None, help="a JSON line from an earlier run: take its other runs")
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for every run")
     args = parser.parse_args(argv)
     overrides = args.overrides or ["trainer.max_steps=200"]
     out = args.out or Path(tempfile.mkdtemp(prefix="precision-"))
     out.mkdir(parents=True, exist_ok=True)
     results = {}
+    if args.reuse:  # runs measured earlier with the same overrides (fp16 on a CPU takes minutes)
+        earlier = json.loads(args.reuse.read_text().split("JSON ", 1)[1])
+        results = {k: {"summary": v, "val_curve": earlier["curves"][k], "wall_s": v.get("wall_s", 0.0)}
+                   for k, v in earlier["summaries"].items()}
     for name, run_overrides in RUNS.items():
+        if (args.only and name not in args.only) or name in results:
+            continue
         results[name] = run(name, run_overrides, overrides, out)
+        results[name]["summary"]["wall_s"] = results[name]["wall_s"]
         s = results[name]["summary"]
         print(f"{name:22s} val {s['initial_val_loss']:.3f} -> {s['final_val_loss']:.4f}  "
               f"train tokens/s {s['train_tokens_per_sec']:,.0f}  wall {results[name]['wall_s']:.0f}s", flush=True)
+    if "32-true" not in results:
+        raise SystemExit("the 32-true baseline is needed (run it, or --reuse a JSON line that has it)")
     base = results["32-true"]["summary"]["final_val_loss"]
     table = []
-    for name, result in results.items():
-        val = result["summary"]["final_val_loss"]
+    for name in RUNS:
+        if name not in results:
+            continue
+        val = results[name]["summary"]["final_val_loss"]
         goal = GOALS.get(name)
         table.append({"run": name, "final_val": val, "gap": val / base - 1, "goal": goal,
                       "met": None if goal is None else abs(val / base - 1) <= goal})
@@ -90,7 +94,8 @@ def main(argv: list[str] | None = None) -> None:
     plot(results, args.png)
     print(f"plot: {args.png}")
     print("JSON " + json.dumps({"table": table, "machine": facts, "overrides": overrides,
-                                "curves": {k: v["val_curve"] for k, v in results.items()}}))
+                                "curves": {k: v["val_curve"] for k, v in results.items()},
+                                "summaries": {k: v["summary"] for k, v in results.items()}}))
 
 
 if __name__ == "__main__":

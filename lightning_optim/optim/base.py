@@ -487,8 +487,8 @@ class BaseOptimizer(torch.optim.Optimizer):
 
 # Elements per slice of a bucket whose math runs in torch on 16-bit states (the compiled kernels
 # compute in fp32 only): the foreach path's fp32 temporaries (Kahan's y/old/new, Adam's deltas)
-# are then bounded by a slice, not the bucket (~24 bytes per element: 50M bf16 params would need 1.2 GB).
-TORCH_PATH_SLICE = 1 << 20
+# are then bounded by a slice (~7 MB), not the bucket (~24 bytes per element: 1.2 GB for 50M bf16 params).
+TORCH_PATH_SLICE = 1 << 18
 
 
 def _slices(numels: list[int], dtype: torch.dtype) -> list[tuple[int, int]]:

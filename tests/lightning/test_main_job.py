@@ -41,10 +41,11 @@ def test_overrides_of_the_onebit_knobs(compose_train):
     assert type(lightning_arg(dict(lamb.strategy))) is OnebitLambStrategy and lamb.trainer.devices == 2
 
 
-def test_cli_default_runs_two_processes_and_rank_0_writes(tmp_path: Path):
+def _run_job(tmp_path: Path, *overrides: str) -> tuple[subprocess.CompletedProcess, dict, Path]:
+    """The main job on 2 processes for 8 small steps; checks it trained, returns (process, summary, run dir)."""
     run_dir = tmp_path / "run"
     command = [sys.executable, "-m", "lightning_optim.train", "trainer=smoke", "trainer.max_steps=8",
-               "trainer.val_check_interval=8", "strategy.freeze_step=4", "data.max_bytes=100000",
+               "trainer.val_check_interval=8", *overrides, "data.max_bytes=100000",
                "model.n_layer=1", "model.d_model=64", f"hydra.run.dir={run_dir}"]
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
@@ -52,6 +53,11 @@ def test_cli_default_runs_two_processes_and_rank_0_writes(tmp_path: Path):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["steps"] == 8
     assert summary["final_val_loss"] < summary["initial_val_loss"]
+    return result, summary, run_dir
+
+
+def test_cli_default_runs_two_processes_and_rank_0_writes(tmp_path: Path):
+    result, summary, run_dir = _run_job(tmp_path, "strategy.freeze_step=4")
     comm = summary["comm"]
     assert comm["optimizer"] == "OnebitAdam" and comm["steps"] == 8 and comm["steps_without_ddp_allreduce"] == 4
     assert comm["compression_ratio"] > 1.8  # half the steps at ~32x less than fp32
@@ -66,17 +72,8 @@ def test_cli_default_runs_two_processes_and_rank_0_writes(tmp_path: Path):
 
 
 def test_cli_gradient_release_with_bf16_kahan_under_ddp(tmp_path: Path):
-    """``gradient_release=true precision=bf16_kahan strategy=ddp``: two processes, the release hook
-    steps every bucket, the loss goes down, the norm layers stay fp32."""
-    run_dir = tmp_path / "run"
-    command = [sys.executable, "-m", "lightning_optim.train", "trainer=smoke", "trainer.max_steps=8",
-               "trainer.val_check_interval=8", "strategy=ddp", "trainer.devices=2", "precision=bf16_kahan",
-               "gradient_release=true", "trainer.gradient_clip_val=null", "data.max_bytes=100000",
-               "model.n_layer=1", "model.d_model=64", f"hydra.run.dir={run_dir}"]
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
-    assert result.returncode == 0, result.stderr[-3000:]
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["world_size"] == 2 and summary["steps"] == 8
-    assert summary["final_val_loss"] < summary["initial_val_loss"]
+    """``gradient_release=true precision=bf16_kahan strategy=ddp``: two processes train (the release
+    hook steps every bucket; bf16 buckets reduce on gloo)."""
+    _, summary, _ = _run_job(tmp_path, "strategy=ddp", "trainer.devices=2", "precision=bf16_kahan",
+                             "gradient_release=true", "trainer.gradient_clip_val=null")
     assert summary["config"]["gradient_release"] is True
