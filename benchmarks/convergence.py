@@ -24,6 +24,7 @@ import argparse
 import csv
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -44,19 +45,26 @@ RUNS = {  # name -> overrides
 PAIRS = [("OnebitAdam", "AdamW + DDP", 0.02), ("ZeroOneAdam", "AdamW + DDP", 0.03), ("OnebitLamb", "FusedLamb + DDP", 0.02)]
 
 
-def run(name: str, overrides: list[str], extra: list[str], out: Path) -> dict:
-    run_dir = out / name.replace(" ", "").replace("+", "_")
-    command = [sys.executable, "-m", "lightning_optim.train", *overrides, *extra, f"hydra.run.dir={run_dir}"]
+def run_dir_of(name: str, out: Path) -> Path:
+    """A run's directory: the name with only letters, digits, '-' and '_' (Hydra's override grammar)."""
+    return out / re.sub(r"[^A-Za-z0-9_-]+", "_", name.replace("+", "_").replace(" ", ""))
+
+
+def run(name: str, overrides: list[str], extra: list[str], out: Path, resume: bool = False) -> dict:
+    """One main-job run into ``run_dir_of(name, out)``; with ``resume``, a finished one there is reused."""
+    run_dir = run_dir_of(name, out)
     start = time.perf_counter()
-    result = subprocess.run(command, cwd=out, capture_output=True, text=True,
-                            env={**os.environ, "PYTHONWARNINGS": "ignore"})
-    if result.returncode != 0:
-        raise SystemExit(f"{name} failed:\n{result.stderr[-4000:]}")
+    if not (resume and (run_dir / "summary.json").exists()):
+        command = [sys.executable, "-m", "lightning_optim.train", *overrides, *extra, f"hydra.run.dir={run_dir}"]
+        result = subprocess.run(command, cwd=out, capture_output=True, text=True,
+                                env={**os.environ, "PYTHONWARNINGS": "ignore"})
+        if result.returncode != 0:
+            raise SystemExit(f"{name} failed:\n{result.stderr[-4000:]}")
     summary = json.loads((run_dir / "summary.json").read_text())
     with open(run_dir / "metrics.csv", newline="") as handle:
         curve = [(int(r["step"]), float(r["val_loss"])) for r in csv.DictReader(handle) if r.get("val_loss")]
     summary.pop("config", None)
-    return {"summary": summary, "val_curve": curve, "wall_s": time.perf_counter() - start}
+    return {"summary": summary, "val_curve": curve, "wall_s": summary.get("wall_time_s", time.perf_counter() - start)}
 
 
 def draw_curve(ax, name: str, curve: list[tuple[int, float]], style: str) -> None:

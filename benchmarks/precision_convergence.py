@@ -57,27 +57,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=None, help="where the run directories go")
     parser.add_argument("--png", type=Path, default=REPO / "docs" / "precision_convergence.png")
     parser.add_argument("--only", nargs="*", default=None, help="run names to run (default: all)")
-    parser.add_argument("--reuse", type=Path, default=None, help="a JSON line from an earlier run: take its other runs")
+    parser.add_argument("--resume", action="store_true", help="reuse runs already finished under --out")
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for every run")
     args = parser.parse_args(argv)
     overrides = args.overrides or ["trainer.max_steps=200"]
     out = args.out or Path(tempfile.mkdtemp(prefix="precision-"))
     out.mkdir(parents=True, exist_ok=True)
     results = {}
-    if args.reuse:  # runs measured earlier with the same overrides (fp16 on a CPU takes minutes)
-        earlier = json.loads(args.reuse.read_text().split("JSON ", 1)[1])
-        results = {k: {"summary": v, "val_curve": earlier["curves"][k], "wall_s": v.get("wall_s", 0.0)}
-                   for k, v in earlier["summaries"].items()}
     for name, run_overrides in RUNS.items():
-        if (args.only and name not in args.only) or name in results:
+        if args.only and name not in args.only:
             continue
-        results[name] = run(name, run_overrides, overrides, out)
-        results[name]["summary"]["wall_s"] = results[name]["wall_s"]
+        results[name] = run(name, run_overrides, overrides, out, resume=args.resume)  # fp16 on a CPU: minutes
         s = results[name]["summary"]
         print(f"{name:22s} val {s['initial_val_loss']:.3f} -> {s['final_val_loss']:.4f}  "
               f"train tokens/s {s['train_tokens_per_sec']:,.0f}  wall {results[name]['wall_s']:.0f}s", flush=True)
     if "32-true" not in results:
-        raise SystemExit("the 32-true baseline is needed (run it, or --reuse a JSON line that has it)")
+        raise SystemExit("the 32-true baseline is needed (run it, or --resume from an --out that has it)")
     base = results["32-true"]["summary"]["final_val_loss"]
     table = []
     for name in RUNS:
@@ -94,8 +89,7 @@ def main(argv: list[str] | None = None) -> None:
     plot(results, args.png)
     print(f"plot: {args.png}")
     print("JSON " + json.dumps({"table": table, "machine": facts, "overrides": overrides,
-                                "curves": {k: v["val_curve"] for k, v in results.items()},
-                                "summaries": {k: v["summary"] for k, v in results.items()}}))
+                                "curves": {k: v["val_curve"] for k, v in results.items()}}))
 
 
 if __name__ == "__main__":
