@@ -34,13 +34,15 @@ def _loss(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
 
 
 def _train(mode: str, batches: list[torch.Tensor]) -> tuple[list[float], torch.nn.Module]:
-    model = _model(torch.float32 if mode == "fp32" else torch.float16)
+    model = _model({"fp32": torch.float32, "kahan": torch.bfloat16, "bf16": torch.bfloat16}.get(mode, torch.float16))
     losses = []
     if mode == "master":
         masters = MasterWeights(model.parameters())
         opt = lo.AdamW(model.parameters(), lr=3e-4, weight_decay=0.01)
         masters.swap_into(opt)
         scaler = DynamicLossScaler(init_scale=2.0**12, scale_window=20)
+    elif mode in ("kahan", "bf16"):  # bf16 params and bf16 states, with / without Kahan summation
+        opt = lo.AdamW(model.parameters(), lr=3e-4, weight_decay=0.01, kahan_sum=mode == "kahan")
     else:  # fp32, or fp16 params stepped directly (fp32 states, no Kahan compensation, no masters)
         opt = lo.AdamW(model.parameters(), lr=3e-4, weight_decay=0.01, kahan_sum=False, fp32_state=True)
     for batch in batches:
@@ -71,7 +73,7 @@ def _deviation(model: torch.nn.Module, reference: torch.nn.Module) -> float:
 @pytest.fixture(scope="module")
 def runs():
     batches = _batches(100)
-    return {mode: _train(mode, batches) for mode in ("fp32", "master", "fp16")}
+    return {mode: _train(mode, batches) for mode in ("fp32", "master", "fp16", "kahan", "bf16")}
 
 
 def test_master_weights_track_fp32_and_beat_plain_fp16(runs):
@@ -87,6 +89,18 @@ def test_master_weights_track_fp32_and_beat_plain_fp16(runs):
     assert fp16_dev > 5 * master_dev, (master_dev, fp16_dev)
     assert abs(mean(master_losses) - mean(fp32_losses)) < 0.002 * mean(fp32_losses), (mean(master_losses), mean(fp32_losses))
     assert mean(fp16_losses) - mean(fp32_losses) > 5 * abs(mean(master_losses) - mean(fp32_losses))
+
+
+def test_bf16_with_kahan_tracks_fp32_and_beats_bf16_without(runs):
+    """bf16 params and states: Kahan summation keeps the updates rounding would drop."""
+    fp32_losses, fp32_model = runs["fp32"]
+    kahan_losses, kahan_model = runs["kahan"]
+    bf16_losses, bf16_model = runs["bf16"]
+    tail = slice(80, 100)
+    mean = lambda xs: sum(xs[tail]) / len(xs[tail])  # noqa: E731
+    kahan_dev, bf16_dev = _deviation(kahan_model, fp32_model), _deviation(bf16_model, fp32_model)
+    assert kahan_dev < 0.04 and bf16_dev > 4 * kahan_dev, (kahan_dev, bf16_dev)
+    assert mean(kahan_losses) - mean(fp32_losses) < 0.4 * (mean(bf16_losses) - mean(fp32_losses))
 
 
 def _pair(optimizer_cls, fused: bool):
