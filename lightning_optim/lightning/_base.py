@@ -102,9 +102,10 @@ class _OnebitStrategyMixin(_PerRankCheckpointMixin, _ByteCountingMixin, _Switcha
     def setup(self, trainer: Any) -> None:
         if getattr(self.precision_plugin, "scaler", None) is not None:
             raise ValueError(
-                f"{type(self).__name__}: fp16 loss scaling (precision='16-mixed') decides on every rank alone "
+                f"{type(self).__name__}: torch's GradScaler (precision='16-mixed') decides on every rank alone "
                 "whether to skip a step, but the compression stage needs all ranks to step together; use "
-                "precision='bf16-mixed' or '32-true'"
+                "plugins=[lightning_optim.lightning.MasterWeightsPrecision()] (fp16 with the overflow decision "
+                "shared by all ranks), precision='bf16-mixed' or '32-true'"
             )
         fitting = trainer.state.fn == "fit"
         if fitting and self._telemetry:

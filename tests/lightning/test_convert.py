@@ -198,5 +198,5 @@ def test_fp16_loss_scaling_is_refused():
     strategy = OnebitAdamStrategy(freeze_step=5)
     strategy.precision_plugin = MixedPrecision("16-mixed", device="cpu", scaler=torch.amp.GradScaler("cpu"))
     trainer = SimpleNamespace(state=SimpleNamespace(fn="fit"), callbacks=[])
-    with pytest.raises(ValueError, match="16-mixed.*bf16-mixed"):
+    with pytest.raises(ValueError, match="16-mixed.*MasterWeightsPrecision.*bf16-mixed"):
         strategy.setup(trainer)
