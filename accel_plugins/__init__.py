@@ -1,5 +1,20 @@
-"""Adapters for Hugging Face Accelerate and the Hugging Face Trainer.
+"""Adapters for Hugging Face Accelerate (``accelerate.py``) and, later, the Hugging Face Trainer.
 
-Nothing lives here yet: the Accelerate hooks and the HF Trainer ``optim`` integration land in a
-later issue. Install their dependencies with ``pip install "lightning-optim[hf]"``.
+Install their dependencies with ``pip install "lightning-optim[hf]"``. Importing this package does
+not import Accelerate; the names below load their module on first access.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__all__ = ["enable_onebit", "to_onebit_optimizer", "OnebitHandle"]
+
+_WHERE = {"enable_onebit": "accelerate", "to_onebit_optimizer": "accelerate", "OnebitHandle": "accelerate"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _WHERE:
+        return getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

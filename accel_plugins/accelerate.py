@@ -1,0 +1,174 @@
+"""1-bit communication for Hugging Face Accelerate: one call after ``accelerator.prepare``.
+
+    optimizer = accel_plugins.to_onebit_optimizer(torch.optim.AdamW(model.parameters(), lr=3e-4),
+                                                  "onebit_adam", freeze_step=100)   # before prepare
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    onebit = accel_plugins.enable_onebit(accelerator, model, optimizer)
+    # the training loop stays as it is: accelerator.backward, accelerator.accumulate, clip_grad_norm_
+
+What ``enable_onebit`` does (no math here; see :mod:`lightning_optim.onebit`):
+
+* registers the switchable allreduce comm hook on the prepared DDP model and, before every
+  forward, turns DDP's fp32 allreduce on exactly when the optimizer's next step needs averaged
+  gradients (``needs_averaged_grads``): on in warmup, off in the compression stage, where the
+  optimizer's own 1-bit allreduce is the only communication;
+* refuses what would silently break it: a process group of several ranks that Accelerate left
+  single-process (``accelerate launch --cpu`` starts one process; ``torchrun`` without
+  ``Accelerator(cpu=True)`` on a CPU-only torch leaves Accelerate at ``DistributedType.NO``), an
+  fp16 GradScaler (it skips steps per rank; the compression stage needs all ranks to step
+  together), a comm hook already registered (``DistributedDataParallelKwargs(comm_hook=...)``),
+  an optimizer that is not 1-bit;
+* per-rank checkpoints: Accelerate saves the optimizer from the main process only, but the error
+  feedback buffers (and ZeroOneAdam's params between synchronisations) are each rank's own. A
+  save-state hook makes every rank write ``onebit_rank<r>.pt`` next to Accelerate's files, and a
+  registered checkpoint object merges it back after ``accelerator.load_state`` (bitwise resume).
+
+In the compression stage ``accelerator.clip_grad_norm_`` clips each rank's local gradients (the
+optimizer averages them afterwards, compressed): as DeepSpeed's 1-bit Adam, the clip is per rank.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_optim.comm import SwitchableAllreduceState, comm_stats, register_switchable_allreduce
+from lightning_optim.lightning.convert import to_onebit
+from lightning_optim.onebit import OnebitAdam, OnebitLamb, OnebitOptimizer, ZeroOneAdam
+
+__all__ = ["ONEBIT_OPTIMIZERS", "OnebitHandle", "enable_onebit", "to_onebit_optimizer"]
+
+ONEBIT_OPTIMIZERS: dict[str, type[OnebitOptimizer]] = {
+    "onebit_adam": OnebitAdam, "zero_one_adam": ZeroOneAdam, "onebit_lamb": OnebitLamb,
+}
+
+
+def to_onebit_optimizer(optimizer: torch.optim.Optimizer, name: str = "onebit_adam", **knobs: Any) -> OnebitOptimizer:
+    """The 1-bit variant of ``optimizer`` (torch/our Adam, AdamW -> ``onebit_adam``/``zero_one_adam``;
+    our Lamb/FusedLamb -> ``onebit_lamb``), same param groups and hyper-parameters; ``knobs`` are
+    the 1-bit arguments (``freeze_step``, ...). Call it before ``accelerator.prepare``."""
+    if name not in ONEBIT_OPTIMIZERS:
+        raise ValueError(f"name: must be one of {sorted(ONEBIT_OPTIMIZERS)}, got {name!r}")
+    return to_onebit(optimizer, ONEBIT_OPTIMIZERS[name], knobs, average_grads=False)
+
+
+def _unwrap(optimizer: Any) -> Any:
+    return getattr(optimizer, "optimizer", optimizer)  # Accelerate's AcceleratedOptimizer wraps it
+
+
+def _world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(), dist.get_rank()
+    return 1, 0
+
+
+def rank_state_path(directory: str, rank: int) -> str:
+    return os.path.join(directory, f"onebit_rank{rank}.pt")
+
+
+@dataclass
+class OnebitHandle:
+    """What :func:`enable_onebit` set up: the optimizer, DDP's switch and the checkpoint hooks."""
+
+    optimizer: OnebitOptimizer
+    model: nn.Module
+    switch: SwitchableAllreduceState | None
+    _handles: list = field(default_factory=list)
+    _load_dir: str | None = None
+
+    def summary(self) -> dict[str, Any]:
+        """Bytes this rank sent (``comm_stats()``: DDP's switchable allreduce and the 1-bit collectives)
+        and DDP buckets reduced / skipped."""
+        stats = comm_stats()
+        return {"bytes_sent": stats.bytes_sent, "fp32_equivalent_bytes": stats.fp32_equivalent_bytes,
+                "compressed_calls": stats.compressed_calls, "full_precision_calls": stats.full_precision_calls,
+                "buckets_reduced": self.switch.buckets_reduced if self.switch else 0,
+                "buckets_skipped": self.switch.buckets_skipped if self.switch else 0}
+
+    # ------------------------------------------------------------------ checkpoint hooks
+    def _save_hook(self, models: list, weights: list, output_dir: str) -> None:
+        world, rank = _world()
+        payload = {"world_size": world, "rank": rank, "optimizer": self.optimizer.state_dict(),
+                   "model": None if self.optimizer.params_synchronized else
+                   {k: v.detach().clone() for k, v in _module(self.model).state_dict().items()}}
+        torch.save(payload, rank_state_path(output_dir, rank))
+
+    def _load_hook(self, models: list, input_dir: str) -> None:
+        self._load_dir = input_dir
+
+    # a registered checkpoint object: Accelerate loads it after the optimizers
+    def state_dict(self) -> dict[str, Any]:
+        return {"format": 1, "world_size": _world()[0]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        directory, self._load_dir = self._load_dir, None
+        world, rank = _world()
+        path = None if directory is None else rank_state_path(directory, rank)
+        if path is None or not os.path.exists(path):
+            return  # no file: the optimizer keeps rank 0's state (its own restore warns about the errors)
+        payload = torch.load(path, map_location="cpu", weights_only=False)
+        if payload.get("world_size") != world or payload.get("rank") != rank:
+            return
+        self.optimizer.load_state_dict(payload["optimizer"])
+        if payload.get("model") is not None:
+            _module(self.model).load_state_dict(payload["model"])
+
+
+def _module(model: nn.Module) -> nn.Module:
+    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+
+
+def _check_accelerator(accelerator: Any, model: nn.Module, world: int) -> None:
+    processes = getattr(accelerator, "num_processes", 1)
+    if world > 1 and processes != world:
+        raise RuntimeError(
+            f"enable_onebit: a process group of {world} ranks exists but Accelerate runs {processes} process(es) "
+            f"(distributed type {getattr(accelerator, 'distributed_type', '?')}): on a CPU-only machine pass "
+            "Accelerator(cpu=True) (or ACCELERATE_USE_CPU=1) under torchrun; note that `accelerate launch --cpu "
+            "--num_processes 2` starts ONE process (accelerate#2741): use torchrun --nproc_per_node 2")
+    if getattr(accelerator, "scaler", None) is not None:
+        raise ValueError(
+            "enable_onebit: mixed_precision='fp16' uses torch's GradScaler, which decides per rank whether to skip a "
+            "step; the compression stage needs every rank to step together. Use mixed_precision='bf16' or 'no' "
+            "(or lightning_optim.precision.MasterWeights, whose overflow decision is shared)")
+    if world > 1 and not isinstance(model, nn.parallel.DistributedDataParallel):
+        raise TypeError(f"model: pass the model accelerator.prepare returned (a DistributedDataParallel), got "
+                        f"{type(model).__name__}")
+
+
+def enable_onebit(accelerator: Any, model: nn.Module, optimizer: Any) -> OnebitHandle:
+    """Turn on 1-bit communication for a prepared model and 1-bit optimizer (see the module doc)."""
+    onebit = _unwrap(optimizer)
+    if not isinstance(onebit, OnebitOptimizer):
+        raise TypeError(
+            f"optimizer: enable_onebit needs a 1-bit optimizer (OnebitAdam, ZeroOneAdam, OnebitLamb), got "
+            f"{type(onebit).__name__}; convert it before accelerator.prepare with accel_plugins.to_onebit_optimizer")
+    if onebit.average_grads:
+        raise ValueError("optimizer: built with average_grads=True (it averages grads itself, in fp32); with DDP "
+                         "build it with average_grads=False, as to_onebit_optimizer does")
+    world, _ = _world()
+    _check_accelerator(accelerator, model, world)
+    switch = None
+    handle = OnebitHandle(optimizer=onebit, model=model, switch=None)
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        try:
+            switch = register_switchable_allreduce(model, enabled=True)
+        except RuntimeError as exc:
+            raise ValueError(
+                "model: its DDP already has a comm hook (DistributedDataParallelKwargs(comm_hook=...) or your own); "
+                "enable_onebit registers the switchable allreduce hook itself: remove the other one") from exc
+        handle.switch = switch
+
+        def set_switch(module: nn.Module, args: Any) -> None:
+            switch.enabled = onebit.needs_averaged_grads
+
+        handle._handles.append(model.register_forward_pre_hook(set_switch))
+    handle._handles.append(accelerator.register_save_state_pre_hook(handle._save_hook))
+    handle._handles.append(accelerator.register_load_state_pre_hook(handle._load_hook))
+    accelerator.register_for_checkpointing(handle)
+    return handle
