@@ -163,6 +163,7 @@ def enable_onebit(accelerator: Any, model: nn.Module, optimizer: Any) -> OnebitH
                 "model: its DDP already has a comm hook (DistributedDataParallelKwargs(comm_hook=...) or your own); "
                 "enable_onebit registers the switchable allreduce hook itself: remove the other one") from exc
         handle.switch = switch
+        onebit.ddp_allreduce_managed = True
 
         def set_switch(module: nn.Module, args: Any) -> None:
             switch.enabled = onebit.needs_averaged_grads

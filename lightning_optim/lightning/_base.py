@@ -127,6 +127,7 @@ class _OnebitStrategyMixin(_PerRankCheckpointMixin, _ByteCountingMixin, _Switcha
             retarget_schedulers([config.scheduler for config in self.lr_scheduler_configs], old, new)
             self.optimizers = [new]
         self._onebit = new
+        new.ddp_allreduce_managed = True  # the switchable hook follows needs_averaged_grads
         self._trained_numel = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
 
     def _adopt(self, optimizer: torch.optim.Optimizer) -> OnebitOptimizer:

@@ -182,6 +182,25 @@ class OnebitOptimizer(OnebitStateDictMixin, MomentumMaskMixin, BaseOptimizer):
         """
         return self._needs_average(self._sched["step"] + 1)
 
+    # Set by the adapters that switch DDP's allreduce by ``needs_averaged_grads`` (the Lightning
+    # strategies, accel_plugins.enable_onebit); set it yourself after register_switchable_allreduce.
+    ddp_allreduce_managed = False
+    _warned_unmanaged = False
+
+    def _warn_if_ddp_unmanaged(self, t: int) -> None:
+        """Once, at the first step that wants local gradients on several ranks with nobody switching DDP."""
+        if self._warned_unmanaged or self.ddp_allreduce_managed or self.average_grads or self._needs_average(t):
+            return
+        world, _ = self._world()
+        if world > 1:
+            self._warned_unmanaged = True
+            warnings.warn(
+                f"{type(self).__name__}: compressing on {world} ranks, but nothing switches DDP's allreduce off: if "
+                "the model is wrapped in DistributedDataParallel, DDP's fp32 allreduce still runs every step beside "
+                "the 1-bit one (more bytes than plain DDP; comm_stats() cannot see DDP's own allreduce). Use "
+                "accel_plugins.enable_onebit, Trainer(strategy='onebit_adam'), or register_switchable_allreduce and "
+                "set optimizer.ddp_allreduce_managed = True", UserWarning, stacklevel=3)
+
     @property
     def params_synchronized(self) -> bool:
         """Whether the last step left the params identical on every rank (ZeroOneAdam's local
@@ -206,6 +225,7 @@ class OnebitOptimizer(OnebitStateDictMixin, MomentumMaskMixin, BaseOptimizer):
             if g is not None and g.is_sparse:
                 raise ValueError(f"grad: {type(self).__name__} does not support sparse gradients")
         t = self._sched["step"] + 1
+        self._warn_if_ddp_unmanaged(t)
         layout = self._prepare_layout()
         self._agree(layout, t)
         grads = [p.grad for p in layout.params]

@@ -61,3 +61,48 @@ def test_save_state_load_state_resume_is_bitwise(runs):
         for a, b in zip(full[rank]["params"], resumed[rank]["params"]):
             assert torch.equal(a, b)
         assert [r["loss"] for r in full[rank]["rows"][6:]] == [r["loss"] for r in resumed[rank]["rows"]]
+
+
+def test_a_group_accelerate_left_single_process_is_reported():
+    from tests.accel.refusal_workers import single_process_trap
+    from tests.distributed import run_workers
+
+    for message in run_workers(2, single_process_trap, timeout=120):
+        assert "process group of 2 ranks exists but Accelerate runs 1 process" in message, message
+        assert "Accelerator(cpu=True)" in message and "accelerate#2741" in message
+
+
+def test_a_foreign_comm_hook_is_refused():
+    from tests.accel.refusal_workers import foreign_comm_hook
+    from tests.distributed import run_workers
+
+    for message in run_workers(2, foreign_comm_hook, timeout=120):
+        assert "already has a comm hook" in message, message
+
+
+def test_non_onebit_optimizer_and_bad_names_are_refused():
+    from accelerate import Accelerator
+
+    import accel_plugins
+
+    model = torch.nn.Linear(4, 2)
+    accelerator = Accelerator(cpu=True)
+    with pytest.raises(TypeError, match="needs a 1-bit optimizer.*to_onebit_optimizer"):
+        accel_plugins.enable_onebit(accelerator, model, torch.optim.AdamW(model.parameters()))
+    with pytest.raises(ValueError, match="name: must be one of"):
+        accel_plugins.to_onebit_optimizer(torch.optim.AdamW(model.parameters()), "onebit_sgd")
+    with pytest.raises(TypeError, match="OnebitLamb can replace"):
+        accel_plugins.to_onebit_optimizer(torch.optim.AdamW(model.parameters()), "onebit_lamb")
+
+
+def test_grad_scaler_is_refused():
+    from accelerate import Accelerator
+
+    import accel_plugins
+
+    model = torch.nn.Linear(4, 2)
+    accelerator = Accelerator(cpu=True)
+    accelerator.scaler = torch.amp.GradScaler("cpu")  # what mixed_precision="fp16" sets up
+    onebit = accel_plugins.to_onebit_optimizer(torch.optim.AdamW(model.parameters()), "onebit_adam")
+    with pytest.raises(ValueError, match="GradScaler"):
+        accel_plugins.enable_onebit(accelerator, model, onebit)

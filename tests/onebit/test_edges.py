@@ -287,3 +287,12 @@ def test_auto_mask_keeps_never_moving_elements_still(cls_name):
     assert torch.equal(masked[0][-1][1][TINY], frozen)  # masked elements never moved after it
     drift = (unmasked[0][-1][1][TINY] - unmasked[0][last_full - 1][1][TINY]).abs().max().item()
     assert drift > 1.0, drift  # without the mask: compression noise over a ~1e-7 sqrt(v), lr 0.01
+
+
+def test_unmanaged_ddp_allreduce_warns_once():
+    from tests.distributed import run_workers
+    from tests.onebit.unmanaged_workers import unmanaged
+
+    for messages in run_workers(2, unmanaged, False, timeout=60):
+        assert len(messages) == 1 and "DDP's fp32 allreduce still runs" in messages[0]
+    assert run_workers(2, unmanaged, True, timeout=60) == [[], []]

@@ -1,0 +1,23 @@
+"""A 1-bit optimizer in a DDP model whose allreduce nobody switches: one warning at the first compressed step."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import nn
+
+import lightning_optim as lo
+
+
+def unmanaged(rank: int, world: int, managed: bool) -> list[str]:
+    model = nn.parallel.DistributedDataParallel(nn.Linear(8, 2))
+    opt = lo.OnebitAdam(model.parameters(), lr=1e-3, freeze_step=2, average_grads=False)
+    opt.ddp_allreduce_managed = managed
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(5):
+            model(torch.randn(4, 8)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    return [str(w.message) for w in caught if "nothing switches DDP" in str(w.message)]
