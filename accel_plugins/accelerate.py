@@ -39,13 +39,12 @@ from torch import nn
 
 from lightning_optim.comm import SwitchableAllreduceState, comm_stats, register_switchable_allreduce
 from lightning_optim.lightning.convert import to_onebit
-from lightning_optim.onebit import OnebitAdam, OnebitLamb, OnebitOptimizer, ZeroOneAdam
+from lightning_optim.catalogue import ONEBIT
+from lightning_optim.onebit import OnebitOptimizer
 
 __all__ = ["ONEBIT_OPTIMIZERS", "OnebitHandle", "enable_onebit", "to_onebit_optimizer"]
 
-ONEBIT_OPTIMIZERS: dict[str, type[OnebitOptimizer]] = {
-    "onebit_adam": OnebitAdam, "zero_one_adam": ZeroOneAdam, "onebit_lamb": OnebitLamb,
-}
+ONEBIT_OPTIMIZERS: dict[str, type[OnebitOptimizer]] = ONEBIT  # from the one catalogue of names
 
 
 def to_onebit_optimizer(optimizer: torch.optim.Optimizer, name: str = "onebit_adam", **knobs: Any) -> OnebitOptimizer:

@@ -106,3 +106,13 @@ def test_grad_scaler_is_refused():
     onebit = accel_plugins.to_onebit_optimizer(torch.optim.AdamW(model.parameters()), "onebit_adam")
     with pytest.raises(ValueError, match="GradScaler"):
         accel_plugins.enable_onebit(accelerator, model, onebit)
+
+
+def test_the_accelerate_example_runs_as_it_is():
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+           str(REPO / "examples" / "accelerate_onebit.py")]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    lines = [line for line in done.stdout.splitlines() if line.startswith("step")]
+    assert "(DDP fp32 allreduce)" in lines[0] and "(1-bit)" in lines[-1]
+    assert float(lines[-1].split("loss")[1].split()[0]) < float(lines[0].split("loss")[1].split()[0])

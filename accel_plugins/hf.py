@@ -1,0 +1,143 @@
+"""The Hugging Face Trainer's ``optim`` argument for every lightning-optim optimizer.
+
+    from accel_plugins.hf import TrainingArguments, Trainer
+    args = TrainingArguments("out", optim="lion", optim_args="kahan_sum=False,betas=(0.95,0.98)")
+    Trainer(model, args, ...)                       # or, with the stock classes:
+    transformers.Trainer(model, stock_args, optimizer_cls_and_kwargs=optimizer_cls_and_kwargs(args))
+
+From the command line, ``HfArgumentParser(accel_plugins.hf.TrainingArguments)`` accepts our names:
+``--optim onebit_adam --optim_args "freeze_step=100"``.
+
+Hyper-parameters: ``learning_rate`` -> ``lr``; ``weight_decay``; ``adam_beta1``/``adam_beta2`` ->
+``betas`` (two-beta classes; Adan's three come from ``optim_args``) and ``adam_epsilon`` -> ``eps`` where the class takes them; then ``optim_args``
+(``key=value`` pairs separated by commas, values typed: ints, floats, ``True``/``False`` (also
+lower case), ``None``, tuples such as ``betas=(0.9,0.99)``) override. An unknown name or key, or a
+bad value, raises ``ValueError`` naming it (HF's own parser would read ``kahan_sum=False`` as the
+string "False", which is truthy).
+
+Names (``lightning_optim.catalogue``): adam, adamw, sgd, lamb, lars, lion, adan, radam, ranger,
+stable_adamw, sign_sgd, sparsified_sgd, cpu_adam, fused_adam, fused_lamb, fused_sgd, onebit_adam,
+zero_one_adam, onebit_lamb. In these classes ``sgd`` and ``stable_adamw`` mean ours (HF's own:
+torch.optim.SGD and optimi's StableAdamW; ours are drop-ins for both); every other HF name keeps its
+meaning.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+from dataclasses import dataclass, field
+from typing import Any
+
+import transformers
+
+from lightning_optim.catalogue import OPTIMIZERS, optimizer_class
+
+__all__ = ["TrainingArguments", "Trainer", "optimizer_cls_and_kwargs", "parse_optim_args", "OPTIM_NAMES"]
+
+OPTIM_NAMES = tuple(sorted(OPTIMIZERS))
+_HF_NAMES = tuple(o.value for o in transformers.training_args.OptimizerNames)
+
+
+def _split_pairs(text: str) -> list[str]:
+    """``a=1,b=(2,3)`` -> ``["a=1", "b=(2,3)"]`` (commas inside brackets stay)."""
+    pairs, depth, current = [], 0, ""
+    for ch in text:
+        depth += ch in "([{"
+        depth -= ch in ")]}"
+        if ch == "," and depth == 0:
+            pairs.append(current)
+            current = ""
+        else:
+            current += ch
+    pairs.append(current)
+    return [p.strip() for p in pairs if p.strip()]
+
+
+def _value(key: str, text: str) -> Any:
+    lowered = text.strip().lower()
+    if lowered in ("true", "false", "none"):
+        return {"true": True, "false": False, "none": None}[lowered]
+    try:
+        return ast.literal_eval(text.strip())
+    except (ValueError, SyntaxError):
+        raise ValueError(f"optim_args: {key}={text!r} is not a number, bool, None or tuple") from None
+
+
+def parse_optim_args(text: str | None) -> dict[str, Any]:
+    """HF's ``optim_args`` string as typed keyword arguments."""
+    out: dict[str, Any] = {}
+    for pair in _split_pairs(text or ""):
+        key, sep, raw = pair.partition("=")
+        if not sep or not key.strip().isidentifier():
+            raise ValueError(f"optim_args: {pair!r} is not key=value")
+        out[key.strip()] = _value(key.strip(), raw)
+    return out
+
+
+def optimizer_cls_and_kwargs(args: Any) -> tuple[type, dict[str, Any]]:
+    """``(class, kwargs)`` for ``args.optim`` (one of :data:`OPTIM_NAMES`), from ``args`` (see the module doc);
+    pass it to ``transformers.Trainer(optimizer_cls_and_kwargs=...)`` (transformers >= 4.47)."""
+    name = getattr(args, "lightning_optim_name", None) or str(getattr(args.optim, "value", args.optim))
+    try:
+        cls = optimizer_class(name)
+    except ValueError as exc:
+        raise ValueError(f"optim: {exc}") from None
+    signature = inspect.signature(cls).parameters
+    accepted = set(signature)
+    kwargs: dict[str, Any] = {"lr": args.learning_rate}
+    if "weight_decay" in accepted:
+        kwargs["weight_decay"] = args.weight_decay
+    if "betas" in accepted and len(signature["betas"].default) == 2:  # Adan's three betas: via optim_args
+        kwargs["betas"] = (args.adam_beta1, args.adam_beta2)
+    if "eps" in accepted:
+        kwargs["eps"] = args.adam_epsilon
+    extra = parse_optim_args(getattr(args, "optim_args", None))
+    open_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in inspect.signature(cls).parameters.values())
+    unknown = sorted(k for k in extra if k not in accepted and not open_kwargs)
+    if unknown or "params" in extra:
+        raise ValueError(f"optim_args: {cls.__name__} takes no {', '.join(unknown or ['params'])}; its arguments: "
+                         f"{', '.join(sorted(accepted - {'params', 'model_params'}))}")
+    kwargs.update(extra)
+    try:  # check every value now, by name, on a dummy param (not at the first training step)
+        import torch
+
+        cls([torch.zeros(2, requires_grad=True)], **kwargs)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"optim / optim_args ({name}): {exc}") from None
+    return cls, kwargs
+
+
+@dataclass
+class TrainingArguments(transformers.TrainingArguments):
+    """HF's TrainingArguments whose ``optim`` also takes lightning-optim's names (CLI included)."""
+
+    optim: str = field(
+        default="adamw_torch",
+        metadata={"help": f"An HF optimizer name or one of lightning-optim's: {', '.join(OPTIM_NAMES)}"},
+    )
+    lightning_optim_name: str | None = field(default=None, metadata={"help": "Set from optim; leave unset."})
+
+    def __post_init__(self) -> None:
+        name = str(getattr(self.optim, "value", self.optim))
+        ours = name in OPTIMIZERS
+        if not ours and name not in _HF_NAMES:
+            raise ValueError(f"optim: {name!r} is neither an HF optimizer name nor one of lightning-optim's "
+                             f"({', '.join(OPTIM_NAMES)})")
+        if ours:
+            self.optim = "adamw_torch"  # HF's own checks run on a name it knows; ours is restored below
+        super().__post_init__()
+        if ours:
+            self.lightning_optim_name = name
+            self.optim = name
+            optimizer_cls_and_kwargs(self)  # bad optim_args fail here, at parse time
+
+
+class Trainer(transformers.Trainer):
+    """HF's Trainer that builds lightning-optim optimizers from ``args.optim``."""
+
+    @staticmethod
+    def get_optimizer_cls_and_kwargs(args: Any, model: Any = None) -> tuple[Any, Any]:
+        if getattr(args, "lightning_optim_name", None):
+            return optimizer_cls_and_kwargs(args)
+        return transformers.Trainer.get_optimizer_cls_and_kwargs(args, model)
