@@ -42,7 +42,8 @@ from lightning_optim.lightning.convert import to_onebit
 from lightning_optim.catalogue import ONEBIT
 from lightning_optim.onebit import OnebitOptimizer
 
-__all__ = ["ONEBIT_OPTIMIZERS", "OnebitHandle", "enable_onebit", "to_onebit_optimizer"]
+__all__ = ["ONEBIT_OPTIMIZERS", "OnebitHandle", "enable_onebit", "load_rank_state", "save_rank_state",
+           "to_onebit_optimizer"]
 
 ONEBIT_OPTIMIZERS: dict[str, type[OnebitOptimizer]] = ONEBIT  # from the one catalogue of names
 
@@ -80,6 +81,19 @@ class OnebitHandle:
     _handles: list = field(default_factory=list)
     _load_dir: str | None = None
 
+    def close(self) -> None:
+        """Remove the forward and checkpoint hooks (DDP keeps its comm hook: torch cannot unregister it).
+
+        Known issue: on 2 CPU ranks, a process that exits with the DDP model and the 1-bit optimizer
+        still alive after ``accelerator.end_training()`` aborted at interpreter shutdown in 3-5 of 10
+        runs ("terminate called without an active exception"), after training had finished. Freeing
+        them first avoided it in every run: ``onebit.close(); accelerator.free_memory(); del model,
+        optimizer, onebit; gc.collect(); accelerator.end_training()`` (examples/accelerate_onebit.py).
+        """
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
     def summary(self) -> dict[str, Any]:
         """Bytes this rank sent (``comm_stats()``: DDP's switchable allreduce and the 1-bit collectives)
         and DDP buckets reduced / skipped."""
@@ -91,11 +105,7 @@ class OnebitHandle:
 
     # ------------------------------------------------------------------ checkpoint hooks
     def _save_hook(self, models: list, weights: list, output_dir: str) -> None:
-        world, rank = _world()
-        payload = {"world_size": world, "rank": rank, "optimizer": self.optimizer.state_dict(),
-                   "model": None if self.optimizer.params_synchronized else
-                   {k: v.detach().clone() for k, v in _module(self.model).state_dict().items()}}
-        torch.save(payload, rank_state_path(output_dir, rank))
+        save_rank_state(self.optimizer, self.model, output_dir)
 
     def _load_hook(self, models: list, input_dir: str) -> None:
         self._load_dir = input_dir
@@ -106,16 +116,35 @@ class OnebitHandle:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         directory, self._load_dir = self._load_dir, None
-        world, rank = _world()
-        path = None if directory is None else rank_state_path(directory, rank)
-        if path is None or not os.path.exists(path):
-            return  # no file: the optimizer keeps rank 0's state (its own restore warns about the errors)
-        payload = torch.load(path, map_location="cpu", weights_only=False)
-        if payload.get("world_size") != world or payload.get("rank") != rank:
-            return
-        self.optimizer.load_state_dict(payload["optimizer"])
-        if payload.get("model") is not None:
-            _module(self.model).load_state_dict(payload["model"])
+        if directory is not None:
+            load_rank_state(self.optimizer, self.model, directory)
+
+
+def save_rank_state(optimizer: OnebitOptimizer, model: nn.Module, directory: str) -> None:
+    """This rank's optimizer state (and its params between ZeroOneAdam's synchronisations) into
+    ``directory/onebit_rank<r>.pt``: every rank calls it (trainers save the optimizer on rank 0 only)."""
+    world, rank = _world()
+    os.makedirs(directory, exist_ok=True)
+    payload = {"world_size": world, "rank": rank, "optimizer": optimizer.state_dict(),
+               "model": None if optimizer.params_synchronized else
+               {k: v.detach().clone() for k, v in _module(model).state_dict().items()}}
+    torch.save(payload, rank_state_path(directory, rank))
+
+
+def load_rank_state(optimizer: OnebitOptimizer, model: nn.Module, directory: str) -> bool:
+    """After the trainer loaded rank 0's optimizer state: this rank's own, when its file is there and was
+    written by this rank of this world size (else the optimizer's own rules reset the error buffers)."""
+    world, rank = _world()
+    path = rank_state_path(directory, rank)
+    if not os.path.exists(path):
+        return False
+    payload = torch.load(path, map_location="cpu", weights_only=False)
+    if payload.get("world_size") != world or payload.get("rank") != rank:
+        return False
+    optimizer.load_state_dict(payload["optimizer"])
+    if payload.get("model") is not None:
+        _module(model).load_state_dict(payload["model"])
+    return True
 
 
 def _module(model: nn.Module) -> nn.Module:

@@ -12,6 +12,8 @@ and the bytes this rank sent per step.
 
 from __future__ import annotations
 
+import gc
+
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
@@ -54,4 +56,9 @@ while step < STEPS:
             break
 if accelerator.is_main_process:
     print(onebit.summary())
+# free the DDP model and the optimizer while the process group exists (see OnebitHandle.close)
+onebit.close()
+accelerator.free_memory()
+del model, optimizer, onebit
+gc.collect()
 accelerator.end_training()

@@ -8,6 +8,7 @@ calls ``accelerator.save_state(OUT/ckpt)``; with ``load`` it first loads a state
 remaining steps. Each rank writes OUT/rank<r>.pt: params, per-step bytes and switch states.
 """
 
+import gc
 import sys
 from pathlib import Path
 
@@ -61,4 +62,8 @@ torch.save({"params": [p.detach().clone() for p in model.parameters()], "rows": 
             "numel": sum(p.numel() for p in model.parameters()), "summary": handle.summary(),
             "world": accelerator.num_processes}, out / f"rank{rank}.pt")
 accelerator.wait_for_everyone()
+handle.close()  # free the DDP model and the optimizer while the process group exists (OnebitHandle.close)
+accelerator.free_memory()
+del model, optimizer, handle, scheduler
+gc.collect()
 accelerator.end_training()  # destroys the process group: exiting with a live gloo group can abort at teardown
