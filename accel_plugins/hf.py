@@ -92,6 +92,8 @@ def optimizer_cls_and_kwargs(args: Any) -> tuple[type, dict[str, Any]]:
         kwargs["betas"] = (args.adam_beta1, args.adam_beta2)
     if "eps" in accepted:
         kwargs["eps"] = args.adam_epsilon
+    if OPTIMIZERS[name].onebit:
+        kwargs["average_grads"] = False  # the Trainer's DDP averages the warmup steps (switched off after)
     extra = parse_optim_args(getattr(args, "optim_args", None))
     open_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in inspect.signature(cls).parameters.values())
     unknown = sorted(k for k in extra if k not in accepted and not open_kwargs)
@@ -133,8 +135,75 @@ class TrainingArguments(transformers.TrainingArguments):
             optimizer_cls_and_kwargs(self)  # bad optim_args fail here, at parse time
 
 
+class _OnebitSetup(transformers.TrainerCallback):
+    """Registers the DDP switch on the wrapped model before the first step (``model_wrapped`` is the
+    DDP model by ``on_train_begin``)."""
+
+    def __init__(self, trainer: "Trainer") -> None:
+        self.trainer = trainer
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        trainer = self.trainer
+        if trainer.onebit_optimizer is not None and _world() > 1 and trainer._onebit_handle is None:
+            from accel_plugins.accelerate import enable_onebit
+
+            trainer._onebit_handle = enable_onebit(trainer.accelerator, trainer.model_wrapped, trainer.optimizer)
+
+
+def _world() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
 class Trainer(transformers.Trainer):
-    """HF's Trainer that builds lightning-optim optimizers from ``args.optim``."""
+    """HF's Trainer that builds lightning-optim optimizers from ``args.optim`` and runs the 1-bit ones
+    right under DDP: DDP's allreduce switched off in their compression stage (``enable_onebit``),
+    each rank's error-feedback state saved next to ``optimizer.pt`` (``onebit_rank<r>.pt``) and
+    restored by ``resume_from_checkpoint`` (HF makes every rank load rank 0's ``optimizer.pt``), and
+    ``comm/bytes_sent`` / ``comm/compression_ratio`` (fp32 ring-allreduce bytes / bytes sent, since the
+    last log) in the logs. ``max_grad_norm`` (default 1.0) clips each rank's local gradients in the
+    compression stage, as DeepSpeed's 1-bit Adam does.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._onebit_handle = None
+        self._comm_at_last_log = (0, 0)
+        self.add_callback(_OnebitSetup(self))
+
+    @property
+    def onebit_optimizer(self) -> Any:
+        from lightning_optim.onebit import OnebitOptimizer
+
+        opt = getattr(self.optimizer, "optimizer", self.optimizer)
+        return opt if isinstance(opt, OnebitOptimizer) else None
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        super()._save_optimizer_and_scheduler(output_dir)
+        if self.onebit_optimizer is not None and _world() > 1:
+            from accel_plugins.accelerate import save_rank_state
+
+            save_rank_state(self.onebit_optimizer, self.model_wrapped, output_dir)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is not None and self.onebit_optimizer is not None and _world() > 1:
+            from accel_plugins.accelerate import load_rank_state
+
+            load_rank_state(self.onebit_optimizer, self.model_wrapped, checkpoint)
+
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        if self.onebit_optimizer is not None and "loss" in logs:
+            from lightning_optim.comm import comm_stats
+
+            stats = comm_stats()
+            sent, fp32 = stats.bytes_sent - self._comm_at_last_log[0], stats.fp32_equivalent_bytes - self._comm_at_last_log[1]
+            self._comm_at_last_log = (stats.bytes_sent, stats.fp32_equivalent_bytes)
+            logs["comm/bytes_sent"] = float(sent)
+            if sent:
+                logs["comm/compression_ratio"] = fp32 / sent
+        super().log(logs, *args, **kwargs)
 
     @staticmethod
     def get_optimizer_cls_and_kwargs(args: Any, model: Any = None) -> tuple[Any, Any]:
