@@ -1,7 +1,8 @@
-"""Adapters for Hugging Face Accelerate (``accelerate.py``) and, later, the Hugging Face Trainer.
+"""Adapters for Hugging Face Accelerate (``accelerate.py``: ``enable_onebit``, ``to_onebit_optimizer``)
+and the Hugging Face Trainer (``hf.py``: ``from accel_plugins.hf import Trainer, TrainingArguments``).
 
 Install their dependencies with ``pip install "lightning-optim[hf]"``. Importing this package does
-not import Accelerate; the names below load their module on first access.
+not import Accelerate or transformers; the names below load their module on first access.
 """
 
 from __future__ import annotations
