@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as tmp
 
-__all__ = ["run_workers", "free_port", "WorkerError"]
+__all__ = ["run_workers", "run_torchrun", "free_port", "WorkerError"]
 
 _ERROR_GRACE_S = 3.0
 
@@ -45,6 +45,19 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def run_torchrun(script, *args: str, cwd, nproc: int = 2, timeout: float = 300):
+    """``python -m torch.distributed.run --nproc_per_node N script *args`` (the way users launch), on a
+    free port; returns the finished process after asserting it succeeded (stderr's tail otherwise)."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
+           str(free_port()), str(script), *map(str, args)]
+    done = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return done
 
 
 def _worker(rank, world_size, port, fn, args, env, pg_timeout, results):

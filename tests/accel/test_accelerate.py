@@ -5,8 +5,6 @@ uninterrupted run bitwise."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,7 +12,7 @@ import torch
 
 pytest.importorskip("accelerate")
 
-from tests.distributed import free_port  # noqa: E402
+from tests.distributed import run_torchrun  # noqa: E402
 
 SCRIPT = Path(__file__).with_name("accelerate_script.py")
 REPO = Path(__file__).resolve().parents[2]
@@ -22,10 +20,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def _torchrun(out: Path, *args: str) -> list[dict]:
     out.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-           str(SCRIPT), str(out), *args]
-    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-4000:]
+    run_torchrun(SCRIPT, out, *args, cwd=REPO)
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 
@@ -109,10 +104,7 @@ def test_grad_scaler_is_refused():
 
 
 def test_the_accelerate_example_runs_as_it_is():
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-           str(REPO / "examples" / "accelerate_onebit.py")]
-    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-4000:]
+    done = run_torchrun(REPO / "examples" / "accelerate_onebit.py", cwd=REPO)
     lines = [line for line in done.stdout.splitlines() if line.startswith("step")]
     assert "(DDP fp32 allreduce)" in lines[0] and "(1-bit)" in lines[-1]
     assert float(lines[-1].split("loss")[1].split()[0]) < float(lines[0].split("loss")[1].split()[0])

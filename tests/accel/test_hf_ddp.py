@@ -5,8 +5,6 @@ error-feedback state) ends bitwise equal to the uninterrupted run."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,7 +12,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from tests.distributed import free_port  # noqa: E402
+from tests.distributed import run_torchrun  # noqa: E402
 
 SCRIPT = Path(__file__).with_name("hf_script.py")
 REPO = Path(__file__).resolve().parents[2]
@@ -24,10 +22,7 @@ COMMON = ["--optim", "onebit_adam", "--optim_args", "freeze_step=3,kahan_sum=Fal
 
 
 def _torchrun(out: Path, *extra: str) -> list[dict]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-           str(SCRIPT), "--output_dir", str(out), *COMMON, *extra]
-    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-4000:]
+    run_torchrun(SCRIPT, "--output_dir", out, *COMMON, *extra, cwd=REPO)
     return [torch.load(out / f"result{r}.pt", weights_only=False) for r in range(2)]
 
 

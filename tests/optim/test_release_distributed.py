@@ -4,20 +4,15 @@ anything changes (they used to step silently and the ranks drifted apart)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
-from tests.distributed import free_port
+from tests.distributed import run_torchrun
 
 SCRIPT = Path(__file__).with_name("release_script.py")
 
 
 def test_release_hooks_refuse_un_averaged_gradients_on_every_rank(tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-           str(free_port()), str(SCRIPT)]
-    done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=180)
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = run_torchrun(SCRIPT, cwd=tmp_path, timeout=180)
     outcomes = sorted(tmp_path.glob("rank*.txt"))
     assert [p.name for p in outcomes] == ["rank0.txt", "rank1.txt"], done.stdout + done.stderr[-3000:]
     lines = [p.read_text().strip() for p in outcomes]
