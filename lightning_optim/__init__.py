@@ -39,7 +39,23 @@ from lightning_optim.optim import (
 )
 from lightning_optim.precision import DynamicLossScaler, FP16Optimizer, MasterWeights
 
+# The Lightning strategy classes, at the top level without importing Lightning until first use.
+_LAZY = {"OnebitAdamStrategy": "lightning_optim.lightning", "ZeroOneAdamStrategy": "lightning_optim.lightning",
+         "OnebitLambStrategy": "lightning_optim.lightning"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = [
+    "OnebitAdamStrategy",
+    "OnebitLambStrategy",
+    "ZeroOneAdamStrategy",
     "SGD",
     "Adam",
     "AdamW",

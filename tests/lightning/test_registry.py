@@ -52,3 +52,12 @@ def test_names_in_this_process():
     assert registry.register("lightning.pytorch") == []  # idempotent
     instance = StrategyRegistry.get("onebit_adam")
     assert isinstance(instance, OnebitAdamStrategy) and instance.timeout_s == 300.0
+
+
+def test_strategy_classes_at_the_top_level_are_the_registered_ones():
+    import lightning_optim
+    from lightning_optim.lightning import strategies
+
+    for name in ("OnebitAdamStrategy", "ZeroOneAdamStrategy", "OnebitLambStrategy"):
+        assert name in lightning_optim.__all__
+        assert getattr(lightning_optim, name) is getattr(strategies, name)
