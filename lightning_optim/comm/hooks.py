@@ -85,7 +85,8 @@ def _bounded(reduced: torch.futures.Future, world: int, bound: float) -> torch.f
     def on_reduced(fut) -> None:
         timer.cancel()
         try:
-            finish(fut.value()[0].div_(world))
+            reduced_tensor = fut.value()[0]
+            finish(reduced_tensor if world == 1 else reduced_tensor.div_(world))  # 1: already averaged (release hook)
         except Exception as exc:  # noqa: BLE001 - surfaced through the future
             finish(error=CommunicationError(f"DDP bucket all_reduce failed: another rank may have died or hung ({exc})"))
 

@@ -27,12 +27,12 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from lightning_optim.optim.batch import LOW_PRECISION, Batch, bucket_slices
 from lightning_optim.optim.bucket_states import check_state, pack_states
 from lightning_optim.optim.state_dicts import prepare_state_dict
 from lightning_optim.optim.validation import (
@@ -43,57 +43,7 @@ from lightning_optim.optim.validation import (
     plain_numbers,
 )
 
-LOW_PRECISION = (torch.float16, torch.bfloat16)
 ParamsT = Iterable[Tensor] | Iterable[dict[str, Any]]
-
-
-@dataclass
-class Batch:
-    """Tensors of one param group that are updated together.
-
-    ``raw_grads`` are the gradients as they are (sign flipped for ``maximize``); ``grads`` are
-    the same in ``compute_dtype`` (the state dtype), cast on first use so compiled kernels, which
-    read 16-bit gradients directly, never pay for the copy. Both may alias ``param.grad`` and must
-    not be modified in place.
-    """
-
-    params: list[Tensor]
-    raw_grads: list[Tensor]
-    states: list[dict[str, Any]]
-    step: int
-    compute_dtype: torch.dtype
-    copies: list[Tensor] | None = None  # 16-bit model params that mirror fp32 (master) params
-    copies_written: bool = False
-    _params_compute: list[Tensor] | None = field(default=None, repr=False)
-    _grads: list[Tensor] | None = field(default=None, repr=False)
-
-    def state(self, key: str) -> list[Tensor]:
-        return [s[key] for s in self.states]
-
-    @property
-    def grads(self) -> list[Tensor]:
-        if self._grads is None:
-            dtype = self.compute_dtype
-            self._grads = [g if g.dtype == dtype else g.to(dtype) for g in self.raw_grads]
-        return self._grads
-
-    @property
-    def params_compute(self) -> list[Tensor]:
-        """The parameters in the compute dtype (read-only views or copies)."""
-        if self._params_compute is None:
-            self._params_compute = [p.detach().to(self.compute_dtype) for p in self.params]
-        return self._params_compute
-
-    def mark_params_changed(self) -> None:
-        """Call before writing the params: drops the cached compute-dtype copies."""
-        self._params_compute = None
-
-    def take_copies(self) -> list[Tensor]:
-        """For a kernel that writes the rounded 16-bit copies in its own pass ([] when there are none)."""
-        if not self.copies:
-            return []
-        self.copies_written = True
-        return self.copies
 
 
 class BaseOptimizer(torch.optim.Optimizer):
@@ -347,7 +297,7 @@ class BaseOptimizer(torch.optim.Optimizer):
             for s in states:
                 s["step"] += 1
             step = states[0]["step"]
-            for a, b in _slices([params[i].numel() for i in idx], dtype):
+            for a, b in bucket_slices(params, idx, dtype):
                 part = idx[a:b]
                 self._step_batch(group, [params[i] for i in part], [grads[i] for i in part], states[a:b], step,
                                  dtype, apply)
@@ -483,26 +433,6 @@ class BaseOptimizer(torch.optim.Optimizer):
             saved = prepared["state"].get(saved_id)
             if saved is not None:
                 self.state[p] = dict(saved)  # torch's casts replaced by the decided dtypes
-
-
-# Elements per slice of a bucket whose math runs in torch on 16-bit states (the compiled kernels
-# compute in fp32 only): the foreach path's fp32 temporaries (Kahan's y/old/new, Adam's deltas)
-# are then bounded by a slice (~7 MB), not the bucket (~24 bytes per element: 1.2 GB for 50M bf16 params).
-TORCH_PATH_SLICE = 1 << 18
-
-
-def _slices(numels: list[int], dtype: torch.dtype) -> list[tuple[int, int]]:
-    """``[(0, n)]``, or runs of about ``TORCH_PATH_SLICE`` elements for 16-bit compute."""
-    if dtype not in LOW_PRECISION or not numels:
-        return [(0, len(numels))]
-    out, start, size = [], 0, 0
-    for i, n in enumerate(numels):
-        if i > start and size + n > TORCH_PATH_SLICE:
-            out.append((start, i))
-            start, size = i, 0
-        size += n
-    out.append((start, len(numels)))
-    return out
 
 
 def _check_grad(grad: Tensor) -> None:

@@ -44,6 +44,7 @@ class MasterWeights:
         ]
         self._copied = [(p, m) for p, m in zip(self.model_params, self.masters) if m is not p]
         self._master_of = {id(p): m for p, m in zip(self.model_params, self.masters)}
+        self._grad_buffers: dict[int, Tensor] = {}
 
     # ------------------------------------------------------------------ wiring into an optimizer
     def master_of(self, p: Tensor) -> Tensor:
@@ -85,9 +86,12 @@ class MasterWeights:
                     m.grad = None
                 continue
             if m is not p:
-                if m.grad is None or m.grad.shape != m.shape:
-                    m.grad = torch.empty_like(m)
-                m.grad.copy_(g)
+                # one fp32 buffer per master for the whole run: optimizer.zero_grad() sets m.grad to
+                # None every step, and a fresh 4 B/param allocation each step costs page faults
+                buffer = self._grad_buffers.get(id(m))
+                if buffer is None:
+                    buffer = self._grad_buffers[id(m)] = torch.empty_like(m)
+                m.grad = buffer.copy_(g)
                 p.grad = None
             grads.append(m.grad)
         return found_non_finite(grads, inv_scale)

@@ -297,10 +297,10 @@ def test_bucket_states_share_one_buffer_saved_once_and_repacked_after_reload():
 @pytest.mark.parametrize("spec", SPECS, ids=str)
 def test_slicing_16_bit_buckets_changes_no_result(spec, monkeypatch):
     """Buckets on 16-bit states are stepped in slices (bounded fp32 temporaries): bitwise the same."""
-    import lightning_optim.optim.base as base
+    import lightning_optim.optim.batch as batch
 
     def run(slice_numel):
-        monkeypatch.setattr(base, "TORCH_PATH_SLICE", slice_numel)
+        monkeypatch.setattr(batch, "TORCH_PATH_SLICE", slice_numel)
         params = [p.detach().to(torch.bfloat16).requires_grad_() for p in make_params()]
         opt = spec.cls(params, **spec.kwargs)
         run_steps(opt, params, grad_stream(steps=3))

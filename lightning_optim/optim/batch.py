@@ -1,0 +1,84 @@
+"""A bucket of tensors stepped together (:class:`Batch`) and how a bucket on 16-bit states is cut
+into slices for the torch path."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["LOW_PRECISION", "Batch", "TORCH_PATH_SLICE", "bucket_slices"]
+
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+@dataclass
+class Batch:
+    """Tensors of one param group that are updated together.
+
+    ``raw_grads`` are the gradients as they are (sign flipped for ``maximize``); ``grads`` are
+    the same in ``compute_dtype`` (the state dtype), cast on first use so compiled kernels, which
+    read 16-bit gradients directly, never pay for the copy. Both may alias ``param.grad`` and must
+    not be modified in place.
+    """
+
+    params: list[Tensor]
+    raw_grads: list[Tensor]
+    states: list[dict[str, Any]]
+    step: int
+    compute_dtype: torch.dtype
+    copies: list[Tensor] | None = None  # 16-bit model params that mirror fp32 (master) params
+    copies_written: bool = False
+    _params_compute: list[Tensor] | None = field(default=None, repr=False)
+    _grads: list[Tensor] | None = field(default=None, repr=False)
+
+    def state(self, key: str) -> list[Tensor]:
+        return [s[key] for s in self.states]
+
+    @property
+    def grads(self) -> list[Tensor]:
+        if self._grads is None:
+            dtype = self.compute_dtype
+            self._grads = [g if g.dtype == dtype else g.to(dtype) for g in self.raw_grads]
+        return self._grads
+
+    @property
+    def params_compute(self) -> list[Tensor]:
+        """The parameters in the compute dtype (read-only views or copies)."""
+        if self._params_compute is None:
+            self._params_compute = [p.detach().to(self.compute_dtype) for p in self.params]
+        return self._params_compute
+
+    def mark_params_changed(self) -> None:
+        """Call before writing the params: drops the cached compute-dtype copies."""
+        self._params_compute = None
+
+    def take_copies(self) -> list[Tensor]:
+        """For a kernel that writes the rounded 16-bit copies in its own pass ([] when there are none)."""
+        if not self.copies:
+            return []
+        self.copies_written = True
+        return self.copies
+
+
+# Elements per slice of a bucket whose math runs in torch on 16-bit states (the compiled kernels
+# compute in fp32 only): the foreach path's fp32 temporaries (Kahan's y/old/new, Adam's deltas)
+# are then bounded by a slice (~7 MB), not the bucket (~24 bytes per element: 1.2 GB for 50M bf16 params).
+TORCH_PATH_SLICE = 1 << 18
+
+
+def bucket_slices(params: list[Tensor], idx: list[int], dtype: torch.dtype) -> list[tuple[int, int]]:
+    """Positions ``[(0, len(idx))]`` of a bucket, or runs of about ``TORCH_PATH_SLICE`` elements for 16-bit compute."""
+    if dtype not in LOW_PRECISION or not idx:
+        return [(0, len(idx))]
+    numels = [params[i].numel() for i in idx]  # only on the 16-bit path: the fp32 one stays list-free
+    out, start, size = [], 0, 0
+    for i, n in enumerate(numels):
+        if i > start and size + n > TORCH_PATH_SLICE:
+            out.append((start, i))
+            start, size = i, 0
+        size += n
+    out.append((start, len(numels)))
+    return out
