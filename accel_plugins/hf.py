@@ -20,6 +20,11 @@ stable_adamw, sign_sgd, sparsified_sgd, cpu_adam, fused_adam, fused_lamb, fused_
 zero_one_adam, onebit_lamb. In these classes ``sgd`` and ``stable_adamw`` mean ours (HF's own:
 torch.optim.SGD and optimi's StableAdamW; ours are drop-ins for both); every other HF name keeps its
 meaning.
+
+Stock classes: ``accel_plugins.hf.register()`` (transformers >= 4.47) makes ``transformers.TrainingArguments``,
+``HfArgumentParser`` instances created after it, and ``transformers.Trainer`` take our names with the
+same hyper-parameters; there ``sgd`` and ``stable_adamw`` keep HF's meaning. ``unregister()`` undoes it
+(``_hf_register.py``). For the 1-bit names use :class:`Trainer`: the stock one keeps DDP's allreduce on.
 """
 
 from __future__ import annotations
@@ -33,7 +38,8 @@ import transformers
 
 from lightning_optim.catalogue import OPTIMIZERS, optimizer_class
 
-__all__ = ["TrainingArguments", "Trainer", "optimizer_cls_and_kwargs", "parse_optim_args", "OPTIM_NAMES"]
+__all__ = ["TrainingArguments", "Trainer", "optimizer_cls_and_kwargs", "parse_optim_args", "OPTIM_NAMES", "register",
+           "unregister"]
 
 OPTIM_NAMES = tuple(sorted(OPTIMIZERS))
 _HF_NAMES = tuple(o.value for o in transformers.training_args.OptimizerNames)
@@ -210,3 +216,7 @@ class Trainer(transformers.Trainer):
         if getattr(args, "lightning_optim_name", None):
             return optimizer_cls_and_kwargs(args)
         return transformers.Trainer.get_optimizer_cls_and_kwargs(args, model)
+
+
+# last: _hf_register reads optimizer_cls_and_kwargs from this module when it registers
+from accel_plugins._hf_register import register, unregister  # noqa: E402
