@@ -1,4 +1,5 @@
-"""Adapters for Hugging Face Accelerate (``accelerate.py``: ``enable_onebit``, ``to_onebit_optimizer``)
+"""Adapters for Hugging Face Accelerate (``accelerate.py``: ``enable_onebit``, ``to_onebit_optimizer``;
+``master_weights.py``: ``enable_master_weights``; ``release.py``: ``enable_gradient_release``)
 and the Hugging Face Trainer (``hf.py``: ``from accel_plugins.hf import Trainer, TrainingArguments``).
 
 Install their dependencies with ``pip install "lightning-optim[hf]"``. Importing this package does
@@ -10,9 +11,12 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = ["enable_onebit", "to_onebit_optimizer", "OnebitHandle"]
+__all__ = ["enable_onebit", "to_onebit_optimizer", "OnebitHandle", "enable_master_weights", "MasterWeightsHandle",
+           "enable_gradient_release", "GradientReleaseHandle"]
 
-_WHERE = {"enable_onebit": "accelerate", "to_onebit_optimizer": "accelerate", "OnebitHandle": "accelerate"}
+_WHERE = {"enable_onebit": "accelerate", "to_onebit_optimizer": "accelerate", "OnebitHandle": "accelerate",
+          "enable_master_weights": "master_weights", "MasterWeightsHandle": "master_weights",
+          "enable_gradient_release": "release", "GradientReleaseHandle": "release"}
 
 
 def __getattr__(name: str) -> Any:

@@ -34,9 +34,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from accel_plugins._accelerator import check_ddp_ground, refuse_grad_scaler, unwrap_model, unwrap_optimizer, world
 from lightning_optim.comm import SwitchableAllreduceState, comm_stats, register_switchable_allreduce
 from lightning_optim.lightning.convert import to_onebit
 from lightning_optim.catalogue import ONEBIT
@@ -55,16 +55,6 @@ def to_onebit_optimizer(optimizer: torch.optim.Optimizer, name: str = "onebit_ad
     if name not in ONEBIT_OPTIMIZERS:
         raise ValueError(f"name: must be one of {sorted(ONEBIT_OPTIMIZERS)}, got {name!r}")
     return to_onebit(optimizer, ONEBIT_OPTIMIZERS[name], knobs, average_grads=False)
-
-
-def _unwrap(optimizer: Any) -> Any:
-    return getattr(optimizer, "optimizer", optimizer)  # Accelerate's AcceleratedOptimizer wraps it
-
-
-def _world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size(), dist.get_rank()
-    return 1, 0
 
 
 def rank_state_path(directory: str, rank: int) -> str:
@@ -112,7 +102,7 @@ class OnebitHandle:
 
     # a registered checkpoint object: Accelerate loads it after the optimizers
     def state_dict(self) -> dict[str, Any]:
-        return {"format": 1, "world_size": _world()[0]}
+        return {"format": 1, "world_size": world()[0]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         directory, self._load_dir = self._load_dir, None
@@ -123,55 +113,38 @@ class OnebitHandle:
 def save_rank_state(optimizer: OnebitOptimizer, model: nn.Module, directory: str) -> None:
     """This rank's optimizer state (and its params between ZeroOneAdam's synchronisations) into
     ``directory/onebit_rank<r>.pt``: every rank calls it (trainers save the optimizer on rank 0 only)."""
-    world, rank = _world()
+    size, rank = world()
     os.makedirs(directory, exist_ok=True)
-    payload = {"world_size": world, "rank": rank, "optimizer": optimizer.state_dict(),
-               "model": None if optimizer.params_synchronized else
-               {k: v.detach().clone() for k, v in _module(model).state_dict().items()}}
+    local = not optimizer.params_synchronized
+    payload = {"world_size": size, "rank": rank, "optimizer": optimizer.state_dict(),
+               "model": {k: v.detach().clone() for k, v in unwrap_model(model).state_dict().items()} if local else None,
+               # what the optimizer steps: the model's params, or their fp32 masters (enable_master_weights)
+               "stepped": [p.detach().clone() for g in optimizer.param_groups for p in g["params"]] if local else None}
     torch.save(payload, rank_state_path(directory, rank))
 
 
 def load_rank_state(optimizer: OnebitOptimizer, model: nn.Module, directory: str) -> bool:
     """After the trainer loaded rank 0's optimizer state: this rank's own, when its file is there and was
     written by this rank of this world size (else the optimizer's own rules reset the error buffers)."""
-    world, rank = _world()
+    size, rank = world()
     path = rank_state_path(directory, rank)
     if not os.path.exists(path):
         return False
     payload = torch.load(path, map_location="cpu", weights_only=False)
-    if payload.get("world_size") != world or payload.get("rank") != rank:
+    if payload.get("world_size") != size or payload.get("rank") != rank:
         return False
     optimizer.load_state_dict(payload["optimizer"])
     if payload.get("model") is not None:
-        _module(model).load_state_dict(payload["model"])
+        unwrap_model(model).load_state_dict(payload["model"])
+    if payload.get("stepped") is not None:
+        with torch.no_grad():
+            torch._foreach_copy_([p for g in optimizer.param_groups for p in g["params"]], payload["stepped"])
     return True
-
-
-def _module(model: nn.Module) -> nn.Module:
-    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
-
-
-def _check_accelerator(accelerator: Any, model: nn.Module, world: int) -> None:
-    processes = getattr(accelerator, "num_processes", 1)
-    if world > 1 and processes != world:
-        raise RuntimeError(
-            f"enable_onebit: a process group of {world} ranks exists but Accelerate runs {processes} process(es) "
-            f"(distributed type {getattr(accelerator, 'distributed_type', '?')}): on a CPU-only machine pass "
-            "Accelerator(cpu=True) (or ACCELERATE_USE_CPU=1) under torchrun; note that `accelerate launch --cpu "
-            "--num_processes 2` starts ONE process (accelerate#2741): use torchrun --nproc_per_node 2")
-    if getattr(accelerator, "scaler", None) is not None:
-        raise ValueError(
-            "enable_onebit: mixed_precision='fp16' uses torch's GradScaler, which decides per rank whether to skip a "
-            "step; the compression stage needs every rank to step together. Use mixed_precision='bf16' or 'no' "
-            "(or lightning_optim.precision.MasterWeights, whose overflow decision is shared)")
-    if world > 1 and not isinstance(model, nn.parallel.DistributedDataParallel):
-        raise TypeError(f"model: pass the model accelerator.prepare returned (a DistributedDataParallel), got "
-                        f"{type(model).__name__}")
 
 
 def enable_onebit(accelerator: Any, model: nn.Module, optimizer: Any) -> OnebitHandle:
     """Turn on 1-bit communication for a prepared model and 1-bit optimizer (see the module doc)."""
-    onebit = _unwrap(optimizer)
+    onebit = unwrap_optimizer(optimizer)
     if not isinstance(onebit, OnebitOptimizer):
         raise TypeError(
             f"optimizer: enable_onebit needs a 1-bit optimizer (OnebitAdam, ZeroOneAdam, OnebitLamb), got "
@@ -179,8 +152,9 @@ def enable_onebit(accelerator: Any, model: nn.Module, optimizer: Any) -> OnebitH
     if onebit.average_grads:
         raise ValueError("optimizer: built with average_grads=True (it averages grads itself, in fp32); with DDP "
                          "build it with average_grads=False, as to_onebit_optimizer does")
-    world, _ = _world()
-    _check_accelerator(accelerator, model, world)
+    refuse_grad_scaler("enable_onebit", accelerator, "decides per rank whether to skip a step; the compression "
+                       "stage needs every rank to step together")
+    check_ddp_ground("enable_onebit", accelerator, model)
     switch = None
     handle = OnebitHandle(optimizer=onebit, model=model, switch=None)
     if isinstance(model, nn.parallel.DistributedDataParallel):

@@ -1,0 +1,87 @@
+"""What the Accelerate adapters share: unwrapping Accelerate's objects and refusing setups that cannot work."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+from torch import nn
+
+# Accelerate's distributed types under which the model is a plain module or DDP (the adapters' ground)
+_DDP_TYPES = {"NO", "MULTI_CPU", "MULTI_GPU", "MULTI_XPU", "MULTI_MLU", "MULTI_SDAA", "MULTI_MUSA", "MULTI_NPU",
+              "MULTI_HPU"}
+
+
+def unwrap_optimizer(optimizer: Any) -> Any:
+    return getattr(optimizer, "optimizer", optimizer)  # Accelerate's AcceleratedOptimizer wraps it
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+
+
+def world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(), dist.get_rank()
+    return 1, 0
+
+
+def distributed_type(accelerator: Any) -> str:
+    kind = getattr(accelerator, "distributed_type", "NO")
+    return str(getattr(kind, "name", kind))
+
+
+def check_ddp_ground(caller: str, accelerator: Any, model: nn.Module) -> int:
+    """The world size, after refusing what would silently break DDP-based adapters: a process group
+    of several ranks that Accelerate left single-process, a sharding engine, an unwrapped model."""
+    size, _ = world()
+    processes = getattr(accelerator, "num_processes", 1)
+    if size > 1 and processes != size:
+        raise RuntimeError(
+            f"{caller}: a process group of {size} ranks exists but Accelerate runs {processes} process(es) "
+            f"(distributed type {distributed_type(accelerator)}): on a CPU-only machine pass "
+            "Accelerator(cpu=True) (or ACCELERATE_USE_CPU=1) under torchrun; note that `accelerate launch --cpu "
+            "--num_processes 2` starts ONE process (accelerate#2741): use torchrun --nproc_per_node 2")
+    kind = distributed_type(accelerator)
+    if kind not in _DDP_TYPES:
+        raise ValueError(f"{caller}: needs one process or DDP; Accelerate runs {kind}, which shards or steps the "
+                         "model itself (DeepSpeed and FSDP have their own mixed precision and communication)")
+    if size > 1 and not isinstance(model, nn.parallel.DistributedDataParallel):
+        raise TypeError(f"model: pass the model accelerator.prepare returned (a DistributedDataParallel), got "
+                        f"{type(model).__name__}")
+    return size
+
+
+def refuse_grad_scaler(caller: str, accelerator: Any, why: str) -> None:
+    """``mixed_precision="fp16"`` puts torch's GradScaler in ``accelerator.scaler``."""
+    from accel_plugins.master_weights import MasterWeightsHandle
+
+    scaler = getattr(accelerator, "scaler", None)
+    if scaler is not None and not isinstance(scaler, MasterWeightsHandle):
+        raise ValueError(f"{caller}: Accelerator(mixed_precision='fp16') uses torch's GradScaler, which {why}. "
+                         "Use mixed_precision='bf16' or 'no', or fp16 params with accel_plugins.enable_master_weights "
+                         "(its overflow decision is shared by every rank)")
+
+
+class AcceleratorMethods:
+    """Instance-level replacements of an Accelerator's methods, put back by :meth:`restore`.
+
+    Accelerate has no hook for what ``clip_grad_norm_`` means; the adapters that change it (master
+    weights: clip the fp32 master grads; gradient release: refuse) replace it on this one accelerator.
+    """
+
+    def __init__(self, accelerator: Any) -> None:
+        self.accelerator = accelerator
+        self._saved: dict[str, Any] = {}
+
+    def replace(self, name: str, function: Any) -> None:
+        if name in vars(self.accelerator):
+            raise RuntimeError(f"accelerator.{name} is already replaced (by another lightning-optim adapter or "
+                               "your code): master weights and gradient release do not combine")
+        self._saved[name] = None
+        setattr(self.accelerator, name, function)
+
+    def restore(self) -> None:
+        for name in self._saved:
+            vars(self.accelerator).pop(name, None)
+        self._saved.clear()
