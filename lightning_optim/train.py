@@ -25,13 +25,15 @@ from hydra.core.hydra_config import HydraConfig
 from lightning.pytorch.loggers import CSVLogger
 from omegaconf import DictConfig, OmegaConf
 
+from lightning_optim.conf_dir import conf_dir, deprecated_choices
 from lightning_optim.config_check import ConfigError, check_config
 from lightning_optim.data import ByteDataModule
 from lightning_optim.model import LanguageModel
 from lightning_optim.report import format_table, plot_losses, write_summary
 
-# Relative to this file: the configs live in the lightning_optim.conf package (shipped in the wheel).
-CONFIG_PATH = "conf"
+# Absolute, found at import: the repository's conf/ in a checkout, lightning_optim/conf in a wheel.
+# --config-path replaces it, --config-dir adds a user's tree beside it, --config-name picks the primary.
+CONFIG_PATH = str(conf_dir())
 CONFIG_NAME = "train"
 
 
@@ -141,6 +143,8 @@ def run(config: DictConfig, output_dir: Path) -> dict[str, Any]:
 @hydra.main(config_path=CONFIG_PATH, config_name=CONFIG_NAME, version_base="1.3")
 def main(cfg: DictConfig) -> float:
     """Hydra entry point; returns the final validation loss (what a sweeper would minimise)."""
+    for message in deprecated_choices(HydraConfig.get().runtime.choices):
+        warnings.warn(message, FutureWarning, stacklevel=1)
     try:
         return run(cfg, Path(HydraConfig.get().runtime.output_dir))["final_val_loss"]
     except ConfigError as exc:  # a few lines, not a traceback

@@ -6,10 +6,10 @@ from pathlib import Path
 from typing import Callable
 
 import pytest
-from hydra import compose, initialize_config_module
+from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
-CONFIG_MODULE = "lightning_optim.conf"
+from lightning_optim.conf_dir import conf_dir
 
 
 @pytest.fixture
@@ -17,7 +17,7 @@ def compose_train() -> Callable[..., DictConfig]:
     """Compose ``train.yaml`` with the given overrides, as the command line would."""
 
     def _compose(*overrides: str) -> DictConfig:
-        with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
+        with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
             return compose(config_name="train", overrides=list(overrides))
 
     return _compose

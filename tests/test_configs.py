@@ -1,24 +1,37 @@
-"""Every option of every config group composes; optimizer options build a working optimizer."""
+"""Every option of every config group composes; optimizer options build a working optimizer.
+
+The optimizer and strategy groups are checked against the one catalogue of names
+(``lightning_optim.catalogue.OPTIMIZERS``, ``lightning_optim.lightning.registry.NAMES``): every name
+has its option, and every option is a catalogue name, a deprecated alias or a listed baseline.
+"""
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import hydra
 import pytest
 import torch
 
-import lightning_optim.conf
+from lightning_optim.catalogue import OPTIMIZERS
+from lightning_optim.conf_dir import OPTIMIZER_ALIASES, conf_dir, deprecated_choices
+from lightning_optim.lightning.registry import NAMES as STRATEGY_NAMES
 from lightning_optim.model import ByteGPT, param_groups
 from lightning_optim.train import lightning_arg
 
-CONF_DIR = Path(lightning_optim.conf.__file__).parent
+CONF_DIR = conf_dir()
 GROUPS = ["optimizer", "strategy", "precision", "model", "data", "trainer"]
+# Optimizer options outside the catalogue: plain torch, the yardstick the project is measured against.
+BASELINES: dict[str, type] = {"torch_adamw": torch.optim.AdamW}
+# Strategy options outside the 1-bit names: Lightning's own.
+LIGHTNING_STRATEGIES = {"auto", "ddp"}
 
 
 def options(group: str) -> list[str]:
     """The option names of a config group: one per .yaml file in its folder."""
     return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+
+
+def optimizer_class(option: str) -> type:
+    return OPTIMIZERS[option].cls if option in OPTIMIZERS else BASELINES[option]
 
 
 def test_every_group_has_options_and_a_default(compose_train):
@@ -37,12 +50,26 @@ def test_option_composes(compose_train, group, option):
     assert cfg[group] is not None and len(cfg[group]) > 0
 
 
-@pytest.mark.parametrize("option", options("optimizer"))
-def test_optimizer_option_builds_and_steps(compose_train, option):
+def test_optimizer_group_is_the_catalogue():
+    files = set(options("optimizer"))
+    missing = sorted(set(OPTIMIZERS) - files)
+    assert not missing, f"catalogue names without conf/optimizer/<name>.yaml: {missing}"
+    unknown = sorted(files - set(OPTIMIZERS) - set(OPTIMIZER_ALIASES) - set(BASELINES))
+    assert not unknown, f"conf/optimizer options that are no catalogue name, alias or listed baseline: {unknown}"
+    assert not set(OPTIMIZER_ALIASES) & set(OPTIMIZERS), "an alias may not shadow a catalogue name"
+    assert set(OPTIMIZER_ALIASES.values()) <= set(OPTIMIZERS), "an alias must point to a catalogue name"
+    assert not set(BASELINES) & set(OPTIMIZERS)
+
+
+@pytest.mark.parametrize("option", [*sorted(OPTIMIZERS), *sorted(BASELINES)])
+def test_optimizer_option_builds_its_class_and_steps(compose_train, option):
+    """The composed option's ``_target_`` is the catalogue's class, built with the composed values."""
     cfg = compose_train(f"optimizer={option}")
+    assert hydra.utils.get_class(cfg.optimizer._target_) is optimizer_class(option)
     model = ByteGPT(max_seq_len=8, n_layer=1, n_head=2, d_model=16)
     optimizer = hydra.utils.instantiate(cfg.optimizer, _convert_="all")(param_groups(model))
-    assert isinstance(optimizer, torch.optim.Optimizer)
+    assert type(optimizer) is optimizer_class(option)
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(cfg.optimizer.lr)
     tokens = torch.randint(0, 256, (2, 9))
     before = [p.detach().clone() for p in model.parameters()]
     loss = torch.nn.functional.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
@@ -51,11 +78,34 @@ def test_optimizer_option_builds_and_steps(compose_train, option):
     assert any(not torch.equal(b, p) for b, p in zip(before, model.parameters())), "step changed nothing"
 
 
+@pytest.mark.parametrize("old,new", sorted(OPTIMIZER_ALIASES.items()))
+def test_deprecated_optimizer_name_composes_to_the_catalogue_name(compose_train, old, new):
+    for extra in ([], ["optimizer.lr=0.01"]):  # as is, and with a command-line override
+        assert compose_train(f"optimizer={old}", *extra) == compose_train(f"optimizer={new}", *extra)
+    text = (CONF_DIR / "optimizer" / f"{old}.yaml").read_text()
+    assert text.startswith("# DEPRECATED") and f"optimizer={new}" in text  # said where users look
+    (message,) = deprecated_choices({"optimizer": old, "strategy": "auto"})
+    assert f"optimizer={new}" in message  # and said by the job (lightning_optim.train.main)
+    assert deprecated_choices({"optimizer": new}) == []
+
+
+def test_strategy_group_has_every_registry_name():
+    files = set(options("strategy"))
+    missing = sorted(set(STRATEGY_NAMES) - files)
+    assert not missing, f"1-bit strategy names without conf/strategy/<name>.yaml: {missing}"
+    unknown = sorted(files - set(STRATEGY_NAMES) - LIGHTNING_STRATEGIES)
+    assert not unknown, f"conf/strategy options that are no registry name or Lightning strategy: {unknown}"
+
+
 @pytest.mark.parametrize("option", options("strategy"))
 def test_strategy_option_builds(compose_train, option):
     cfg = compose_train(f"strategy={option}")
     strategy = lightning_arg(dict(cfg.strategy))
     assert strategy is not None
+    if option in STRATEGY_NAMES:  # the option builds the class Lightning's registry has under that name
+        from lightning.pytorch.strategies import StrategyRegistry
+
+        assert type(strategy) is dict.get(StrategyRegistry, option)["strategy"]
 
 
 def test_model_options_build(compose_train):

@@ -1,39 +1,64 @@
-"""The built wheel ships the Hydra configs, and an installed (non-editable) copy runs the job."""
+"""The sdist and the wheel built from it ship the Hydra configs and kernel sources; an installed
+(non-editable) copy runs the job."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+import tarfile
 import zipfile
 from pathlib import Path
 
 import pytest
 
-import lightning_optim
-
 REPO = Path(__file__).resolve().parents[1]
-CONF_DIR = Path(lightning_optim.__file__).parent / "conf"
+KERNEL_SUFFIXES = {".h", ".cuh", ".cpp", ".cu"}
+
+
+def repo_files(folder: str, suffixes: set[str]) -> set[str]:
+    """Paths (relative to the repository) of ``folder``'s files with these suffixes: the root conf/ and
+    csrc/ are the one source; the wheel carries them as lightning_optim/conf and lightning_optim/ops/csrc."""
+    return {p.relative_to(REPO).as_posix() for p in (REPO / folder).rglob("*") if p.suffix in suffixes}
 
 
 @pytest.fixture(scope="module")
-def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("wheel")
-    subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(REPO)],
-        check=True, capture_output=True, text=True, timeout=300,
-    )
-    (path,) = out.glob("lightning_optim-*.whl")
+def dist(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``python -m build``: an sdist, then a wheel built from that sdist (as pip builds one from PyPI)."""
+    out = tmp_path_factory.mktemp("dist")
+    subprocess.run([sys.executable, "-m", "build", "--no-isolation", "--outdir", str(out), str(REPO)],
+                   check=True, capture_output=True, text=True, timeout=300)
+    return out
+
+
+@pytest.fixture(scope="module")
+def wheel(dist: Path) -> Path:
+    (path,) = dist.glob("lightning_optim-*.whl")
     return path
+
+
+@pytest.fixture(scope="module")
+def sdist(dist: Path) -> Path:
+    (path,) = dist.glob("lightning_optim-*.tar.gz")
+    return path
+
+
+def test_sdist_contains_the_configs_and_kernel_sources(sdist: Path):
+    with tarfile.open(sdist) as archive:
+        names = {name.split("/", 1)[1] for name in archive.getnames() if "/" in name}
+    expected = repo_files("conf", {".yaml"}) | repo_files("csrc", KERNEL_SUFFIXES)
+    assert "conf/train.yaml" in expected and "csrc/bindings.cpp" in expected
+    missing = expected - names
+    assert not missing, f"missing from the sdist (MANIFEST.in): {sorted(missing)}"
 
 
 def test_wheel_contains_every_config(wheel: Path):
     names = set(zipfile.ZipFile(wheel).namelist())
-    expected = {f"lightning_optim/conf/{p.relative_to(CONF_DIR).as_posix()}" for p in CONF_DIR.rglob("*.yaml")}
+    expected = {f"lightning_optim/{path}" for path in repo_files("conf", {".yaml"})}
     assert "lightning_optim/conf/train.yaml" in expected
-    assert "lightning_optim/conf/__init__.py" in names
     missing = expected - names
     assert not missing, f"configs missing from the wheel: {sorted(missing)}"
+    assert not [n for n in names if n.startswith("conf/")], "a top-level conf/ would land in site-packages"
 
 
 def test_wheel_metadata(wheel: Path):
@@ -59,14 +84,21 @@ def test_installed_wheel_runs_the_job(wheel: Path, tmp_path: Path):
     workdir = tmp_path / "elsewhere"
     workdir.mkdir()
     env = {**os.environ, "PYTHONPATH": str(target), "PYTHONWARNINGS": "ignore"}
-    location = subprocess.run([sys.executable, "-c", "import lightning_optim; print(lightning_optim.__file__)"],
-                              cwd=workdir, env=env, check=True, capture_output=True, text=True).stdout
+    code = "import lightning_optim.conf_dir as c; print(c.__file__); print(c.conf_dir())"
+    location, configs = subprocess.run([sys.executable, "-c", code], cwd=workdir, env=env, check=True,
+                                       capture_output=True, text=True).stdout.split()
     assert location.startswith(str(target)), f"imported the wrong copy: {location}"
-    command = [str(target / "bin" / "lightning-optim-train"), "trainer=smoke", "trainer.max_steps=2",
-               "data.max_bytes=100000", "strategy=auto", "trainer.devices=1", "hydra.run.dir=run"]
-    result = subprocess.run(command, cwd=workdir, env=env, capture_output=True, text=True, timeout=240)
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert Path(configs) == target / "lightning_optim" / "conf", f"read the wrong configs: {configs}"
+    fast = ["trainer=smoke", "trainer.max_steps=2", "data.max_bytes=100000", "strategy=auto", "trainer.devices=1"]
+    job = subprocess.run([sys.executable, "-m", "lightning_optim.train", *fast, "hydra.run.dir=run"],
+                         cwd=workdir, env=env, capture_output=True, text=True, timeout=240)
+    assert job.returncode == 0, job.stderr[-3000:]
     assert (workdir / "run" / "summary.json").is_file()
+    # The console script reaches the same job (--cfg job: compose and print, no training).
+    script_command = [str(target / "bin" / "lightning-optim-train"), *fast, "optimizer=sign_sgd", "--cfg", "job"]
+    script = subprocess.run(script_command, cwd=workdir, env=env, capture_output=True, text=True, timeout=120)
+    assert script.returncode == 0, script.stderr[-3000:]
+    assert "_target_: lightning_optim.SignSGD" in script.stdout
 
 
 def test_import_is_cheap():
@@ -80,11 +112,7 @@ def test_import_is_cheap():
 def test_wheel_ships_the_kernel_sources(wheel: Path):
     """A non-editable install compiles its kernels from lightning_optim/ops/csrc (setup.py copies csrc/)."""
     names = set(zipfile.ZipFile(wheel).namelist())
-    expected = {
-        f"lightning_optim/ops/csrc/{p.relative_to(REPO / 'csrc').as_posix()}"
-        for p in (REPO / "csrc").rglob("*")
-        if p.suffix in {".h", ".cuh", ".cpp", ".cu"}
-    }
+    expected = {f"lightning_optim/ops/{path}" for path in repo_files("csrc", KERNEL_SUFFIXES)}
     assert "lightning_optim/ops/csrc/bindings.cpp" in expected
     missing = expected - names
     assert not missing, f"kernel sources missing from the wheel: {sorted(missing)}"

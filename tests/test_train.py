@@ -96,3 +96,39 @@ def test_cli_reports_bad_data_path(tmp_path: Path):
     result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert result.returncode != 0
     assert "data.path=" in result.stderr and "does not exist" in result.stderr
+
+
+def _cli(*args: str, cwd: Path, timeout: int = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "lightning_optim.train", *args], cwd=cwd,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_users_tree_beside_the_shipped_one(tmp_path: Path):
+    """``--config-dir`` adds a user's tree to the shipped one: its primary config (``--config-name``)
+    extends train.yaml and picks an optimizer by its deprecated name; its own option extends ours."""
+    tree = tmp_path / "mine"
+    (tree / "optimizer").mkdir(parents=True)
+    (tree / "optimizer" / "slow_sgd.yaml").write_text("defaults:\n  - sgd\n  - _self_\nlr: 0.01\n")
+    (tree / "experiment.yaml").write_text(
+        "defaults:\n  - train\n  - override optimizer: signsgd\n  - _self_\nseed: 7\noptimizer:\n  lr: 0.001\n"
+    )
+    done = _cli("--config-dir", str(tree), "--config-name", "experiment", *FAST, "trainer.max_steps=2",
+                "hydra.run.dir=run", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "optimizer=signsgd is a deprecated name; use optimizer=sign_sgd" in done.stderr  # FutureWarning
+    config = json.loads((tmp_path / "run" / "summary.json").read_text())["config"]
+    assert config["seed"] == 7 and config["optimizer"]["lr"] == 0.001
+    assert config["optimizer"]["_target_"] == "lightning_optim.SignSGD"
+
+    printed = _cli("--config-dir", str(tree), "optimizer=slow_sgd", "--cfg", "job", cwd=tmp_path, timeout=120)
+    assert printed.returncode == 0, printed.stderr[-3000:]
+    assert "_target_: lightning_optim.SGD" in printed.stdout and "lr: 0.01" in printed.stdout
+
+
+def test_config_path_replaces_the_shipped_tree(tmp_path: Path):
+    (tmp_path / "own").mkdir()
+    (tmp_path / "own" / "solo.yaml").write_text("mine: 1\n")
+    printed = _cli("--config-path", str(tmp_path / "own"), "--config-name", "solo", "--cfg", "job", cwd=tmp_path,
+                   timeout=120)
+    assert printed.returncode == 0, printed.stderr[-3000:]
+    assert printed.stdout.strip() == "mine: 1"

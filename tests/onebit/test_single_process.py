@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import io
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
@@ -281,9 +280,9 @@ def test_deepspeed_only_options_warn_once_and_defaults_are_silent():
 def test_hydra_configs_instantiate(name, cls):
     hydra_utils = pytest.importorskip("hydra.utils")
     omegaconf = pytest.importorskip("omegaconf")
-    import lightning_optim
+    from lightning_optim.conf_dir import conf_dir
 
-    path = Path(lightning_optim.__file__).parent / "conf" / "optimizer" / f"{name}.yaml"
+    path = conf_dir() / "optimizer" / f"{name}.yaml"
     factory = hydra_utils.instantiate(omegaconf.OmegaConf.load(path))
     opt = factory(init_params())
     assert type(opt) is cls and opt.average_grads is True
