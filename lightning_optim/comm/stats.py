@@ -12,6 +12,11 @@ Counting rule (per rank, payload bytes only; TCP/IP and backend framing are not 
 ``fp32_equivalent_bytes`` adds, for every reduced tensor, what a ring fp32 allreduce of it would
 send per rank: ``2 * (W - 1) / W * numel * 4``, so ``bytes_sent / fp32_equivalent_bytes`` is the
 compression ratio seen on the wire.
+
+``unmanaged_steps`` counts steps where a 1-bit optimizer compressed on several ranks while nothing
+switched DDP's allreduce off (no adapter, no ``ddp_allreduce_managed``): DDP's own fp32 allreduce
+may have run beside it unseen, so from the first such step ``compression_ratio`` is NaN (unknown)
+rather than a saving the wire never saw.
 """
 from __future__ import annotations
 
@@ -36,6 +41,7 @@ class CommStats:
     compressed_calls: int = 0
     full_precision_calls: int = 0
     control_calls: int = 0  # small agreement checks (sizes, layouts): bytes sent, no fp32 equivalent
+    unmanaged_steps: int = 0  # 1-bit steps beside a DDP allreduce nobody switched off: bytes may be missing
 
     def add_compressed(self, bytes_sent: int, numel: int, world_size: int) -> None:
         self.bytes_sent += int(bytes_sent)
@@ -53,7 +59,9 @@ class CommStats:
 
     @property
     def compression_ratio(self) -> float:
-        """``fp32_equivalent_bytes / bytes_sent`` (``1.0`` when nothing was sent)."""
+        """``fp32_equivalent_bytes / bytes_sent`` (``1.0`` when nothing was sent; NaN after unmanaged steps)."""
+        if self.unmanaged_steps:
+            return float("nan")
         return self.fp32_equivalent_bytes / self.bytes_sent if self.bytes_sent else 1.0
 
     def copy(self) -> "CommStats":

@@ -23,6 +23,7 @@ from lightning_optim import ops
 from lightning_optim.comm import (
     allreduce_mean,
     check_process_group,
+    comm_stats,
     compressed_allreduce,
     error_buffer_sizes,
     gather_rows,
@@ -188,16 +189,20 @@ class OnebitOptimizer(OnebitStateDictMixin, MomentumMaskMixin, BaseOptimizer):
     _warned_unmanaged = False
 
     def _warn_if_ddp_unmanaged(self, t: int) -> None:
-        """Once, at the first step that wants local gradients on several ranks with nobody switching DDP."""
-        if self._warned_unmanaged or self.ddp_allreduce_managed or self.average_grads or self._needs_average(t):
+        """At each step that wants local gradients on several ranks with nobody switching DDP: counted in
+        ``comm_stats().unmanaged_steps`` (its ratio becomes unknown) and warned about once."""
+        if self.ddp_allreduce_managed or self.average_grads or self._needs_average(t):
             return
         world, _ = self._world()
         if world > 1:
+            comm_stats().unmanaged_steps += 1
+        if world > 1 and not self._warned_unmanaged:
             self._warned_unmanaged = True
             warnings.warn(
                 f"{type(self).__name__}: compressing on {world} ranks, but nothing switches DDP's allreduce off: if "
                 "the model is wrapped in DistributedDataParallel, DDP's fp32 allreduce still runs every step beside "
-                "the 1-bit one (more bytes than plain DDP; comm_stats() cannot see DDP's own allreduce). Use "
+                "the 1-bit one (more bytes than plain DDP; comm_stats() cannot see DDP's own allreduce, so its "
+                "compression_ratio is NaN from now on). Use "
                 "accel_plugins.enable_onebit, Trainer(strategy='onebit_adam'), or register_switchable_allreduce and "
                 "set optimizer.ddp_allreduce_managed = True", UserWarning, stacklevel=3)
 

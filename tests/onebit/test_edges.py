@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import inspect
 import io
+import math
 
 import numpy as np
 import pytest
@@ -293,6 +294,8 @@ def test_unmanaged_ddp_allreduce_warns_once():
     from tests.distributed import run_workers
     from tests.onebit.unmanaged_workers import unmanaged
 
-    for messages in run_workers(2, unmanaged, False, timeout=60):
+    for messages, unmanaged_steps, ratio in run_workers(2, unmanaged, False, timeout=60):
         assert len(messages) == 1 and "DDP's fp32 allreduce still runs" in messages[0]
-    assert run_workers(2, unmanaged, True, timeout=60) == [[], []]
+        assert unmanaged_steps == 3 and math.isnan(ratio)  # steps 3-5 compressed; DDP's bytes unseen
+    for messages, unmanaged_steps, ratio in run_workers(2, unmanaged, True, timeout=60):
+        assert messages == [] and unmanaged_steps == 0 and not math.isnan(ratio)
