@@ -39,13 +39,13 @@ from torch import nn
 from accel_plugins._accelerator import check_ddp_ground, refuse_grad_scaler, unwrap_model, unwrap_optimizer, world
 from lightning_optim.comm import SwitchableAllreduceState, comm_stats, register_switchable_allreduce
 from lightning_optim.lightning.convert import to_onebit
-from lightning_optim.catalogue import ONEBIT
+from lightning_optim.catalogue import OPTIMIZERS
 from lightning_optim.onebit import OnebitOptimizer
 
 __all__ = ["ONEBIT_OPTIMIZERS", "OnebitHandle", "enable_onebit", "load_rank_state", "save_rank_state",
            "to_onebit_optimizer"]
 
-ONEBIT_OPTIMIZERS: dict[str, type[OnebitOptimizer]] = ONEBIT  # from the one catalogue of names
+ONEBIT_OPTIMIZERS: dict[str, type[OnebitOptimizer]] = {n: e.cls for n, e in OPTIMIZERS.items() if e.onebit}
 
 
 def to_onebit_optimizer(optimizer: torch.optim.Optimizer, name: str = "onebit_adam", **knobs: Any) -> OnebitOptimizer:

@@ -5,43 +5,48 @@ Importing this package must stay cheap: it must not import Lightning, Hydra or t
 The main job lives in ``lightning_optim.train`` (``python -m lightning_optim.train``).
 """
 
+from typing import TYPE_CHECKING
+
 __version__ = "0.1.0"
 
-# Public API re-exports (optimizers, strategies) go below this line as they land.
-
-# Lightning strategies "onebit_adam", "zero_one_adam", "onebit_lamb": registered in lightning.pytorch
-# and pytorch_lightning as soon as those are imported (before or after this package), without
-# importing them here. The classes: lightning_optim.lightning.OnebitAdamStrategy, ...
+# The catalogue's Lightning strategies ("onebit_adam", ...): registered in lightning.pytorch and
+# pytorch_lightning as soon as those are imported (before or after this package), without importing them here.
 from lightning_optim.lightning.registry import install as _install_strategies
 
 _install_strategies()
 
-from lightning_optim.onebit import OnebitAdam, OnebitLamb, ZeroOneAdam
-from lightning_optim.optim import (
-    SGD,
-    Adam,
-    AdamW,
-    Adan,
-    CPUAdam,
-    FusedAdam,
-    FusedLamb,
-    FusedSGD,
-    Lamb,
-    Lars,
-    Lion,
-    RAdam,
-    Ranger,
-    SignSGD,
-    SparsifiedSGD,
-    StableAdamW,
-    prepare_for_gradient_release,
-    remove_gradient_release,
-)
+from lightning_optim.catalogue import OPTIMIZERS as _OPTIMIZERS
+from lightning_optim.catalogue import STRATEGIES as _STRATEGIES
+from lightning_optim.optim import prepare_for_gradient_release, remove_gradient_release
 from lightning_optim.precision import DynamicLossScaler, FP16Optimizer, MasterWeights
 
+# Every optimizer of the catalogue at the top level, under its class name (the catalogue is the one list).
+globals().update({_entry.export: _entry.cls for _entry in _OPTIMIZERS.values()})
+
+if TYPE_CHECKING:  # the same names for type checkers and IDEs; tests/test_catalogue.py keeps both equal
+    from lightning_optim.onebit import OnebitAdam, OnebitLamb, ZeroOneAdam
+    from lightning_optim.optim import (
+        SGD,
+        Adam,
+        AdamW,
+        Adan,
+        CPUAdam,
+        FusedAdam,
+        FusedLamb,
+        FusedSGD,
+        Lamb,
+        Lars,
+        Lion,
+        RAdam,
+        Ranger,
+        SignSGD,
+        SparsifiedSGD,
+        StableAdamW,
+    )
+    from lightning_optim.lightning import OnebitAdamStrategy, OnebitLambStrategy, ZeroOneAdamStrategy
+
 # The Lightning strategy classes, at the top level without importing Lightning until first use.
-_LAZY = {"OnebitAdamStrategy": "lightning_optim.lightning", "ZeroOneAdamStrategy": "lightning_optim.lightning",
-         "OnebitLambStrategy": "lightning_optim.lightning"}
+_LAZY = {_entry.export: "lightning_optim.lightning" for _entry in _STRATEGIES.values()}
 
 
 def __getattr__(name: str):
@@ -52,32 +57,7 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = [
-    "OnebitAdamStrategy",
-    "OnebitLambStrategy",
-    "ZeroOneAdamStrategy",
-    "SGD",
-    "Adam",
-    "AdamW",
-    "Adan",
-    "CPUAdam",
-    "DynamicLossScaler",
-    "FP16Optimizer",
-    "FusedAdam",
-    "FusedLamb",
-    "FusedSGD",
-    "Lamb",
-    "Lars",
-    "Lion",
-    "MasterWeights",
-    "OnebitAdam",
-    "OnebitLamb",
-    "RAdam",
-    "Ranger",
-    "SignSGD",
-    "SparsifiedSGD",
-    "StableAdamW",
-    "ZeroOneAdam",
-    "prepare_for_gradient_release",
-    "remove_gradient_release",
-]
+__all__ = sorted(
+    [e.export for e in _OPTIMIZERS.values()] + list(_LAZY)
+    + ["DynamicLossScaler", "FP16Optimizer", "MasterWeights", "prepare_for_gradient_release", "remove_gradient_release"]
+)

@@ -1,40 +1,84 @@
-"""One table of the project's optimizer names: ``name -> class`` and what each can do.
+"""One table of the project's names: optimizers and Lightning strategies, ``name -> class`` and what each can do.
 
-The HF Trainer ``optim`` names (``accel_plugins.hf``) and the Accelerate helper
-(``accel_plugins.to_onebit_optimizer``) read it; the names are the Hydra config files' names
-(``conf/optimizer/<name>.yaml``) where those exist.
+Everything that names them reads it: the top-level exports (``lightning_optim.<Class>``), the Lightning
+strategy registry (``strategy="onebit_adam"``), the Hydra config groups (``conf/optimizer/<name>.yaml``,
+``conf/strategy/<name>.yaml``, checked against it by the tests), the HF Trainer ``optim`` names
+(``accel_plugins.hf``) and the Accelerate helper (``accel_plugins.to_onebit_optimizer``).
+
+This module imports nothing of the package at import time (``lightning_optim/__init__`` reads it first);
+``entry.cls`` imports the class on first use.
 """
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 
-import lightning_optim as lo
-from lightning_optim.onebit import OnebitOptimizer
+__all__ = ["OptimizerEntry", "StrategyEntry", "OPTIMIZERS", "STRATEGIES", "optimizer_class"]
 
-__all__ = ["OptimizerEntry", "OPTIMIZERS", "ONEBIT", "optimizer_class"]
+
+def _resolve(target: str) -> type:
+    module, _, name = target.rpartition(".")
+    return getattr(importlib.import_module(module), name)
 
 
 @dataclass(frozen=True)
 class OptimizerEntry:
     name: str
-    cls: type
-    onebit: bool  # communicates itself (needs the DDP switch)
+    target: str  # import path of the class, also the Hydra config's ``_target_``
+    onebit: bool = False  # communicates by itself: DDP's allreduce must be switched off in its compression stage
+
+    @property
+    def export(self) -> str:
+        """The class's name at the top level of ``lightning_optim``."""
+        return self.target.rpartition(".")[2]
+
+    @property
+    def cls(self) -> type:
+        return _resolve(self.target)
 
 
-def _entries() -> dict[str, OptimizerEntry]:
-    table = {
-        "adam": lo.Adam, "adamw": lo.AdamW, "sgd": lo.SGD, "lamb": lo.Lamb, "lars": lo.Lars, "lion": lo.Lion,
-        "adan": lo.Adan, "radam": lo.RAdam, "ranger": lo.Ranger, "stable_adamw": lo.StableAdamW,
-        "sign_sgd": lo.SignSGD, "sparsified_sgd": lo.SparsifiedSGD, "cpu_adam": lo.CPUAdam,
-        "fused_adam": lo.FusedAdam, "fused_lamb": lo.FusedLamb, "fused_sgd": lo.FusedSGD,
-        "onebit_adam": lo.OnebitAdam, "zero_one_adam": lo.ZeroOneAdam, "onebit_lamb": lo.OnebitLamb,
-    }
-    return {name: OptimizerEntry(name, cls, issubclass(cls, OnebitOptimizer)) for name, cls in table.items()}
+@dataclass(frozen=True)
+class StrategyEntry:
+    name: str
+    export: str  # the class name in lightning_optim.lightning (and .pl_strategies for pytorch_lightning)
+    optimizer: str  # the catalogue name of the 1-bit optimizer it trains with
+    description: str
 
 
-OPTIMIZERS: dict[str, OptimizerEntry] = _entries()
-ONEBIT: dict[str, type] = {name: e.cls for name, e in OPTIMIZERS.items() if e.onebit}
+_OPT = "lightning_optim.optim."
+_ONEBIT = "lightning_optim.onebit."
+
+OPTIMIZERS: dict[str, OptimizerEntry] = {e.name: e for e in (
+    OptimizerEntry("adam", _OPT + "Adam"),
+    OptimizerEntry("adamw", _OPT + "AdamW"),
+    OptimizerEntry("sgd", _OPT + "SGD"),
+    OptimizerEntry("lamb", _OPT + "Lamb"),
+    OptimizerEntry("lars", _OPT + "Lars"),
+    OptimizerEntry("lion", _OPT + "Lion"),
+    OptimizerEntry("adan", _OPT + "Adan"),
+    OptimizerEntry("radam", _OPT + "RAdam"),
+    OptimizerEntry("ranger", _OPT + "Ranger"),
+    OptimizerEntry("stable_adamw", _OPT + "StableAdamW"),
+    OptimizerEntry("sign_sgd", _OPT + "SignSGD"),
+    OptimizerEntry("sparsified_sgd", _OPT + "SparsifiedSGD"),
+    OptimizerEntry("cpu_adam", _OPT + "CPUAdam"),
+    OptimizerEntry("fused_adam", _OPT + "FusedAdam"),
+    OptimizerEntry("fused_lamb", _OPT + "FusedLamb"),
+    OptimizerEntry("fused_sgd", _OPT + "FusedSGD"),
+    OptimizerEntry("onebit_adam", _ONEBIT + "OnebitAdam", onebit=True),
+    OptimizerEntry("zero_one_adam", _ONEBIT + "ZeroOneAdam", onebit=True),
+    OptimizerEntry("onebit_lamb", _ONEBIT + "OnebitLamb", onebit=True),
+)}
+
+STRATEGIES: dict[str, StrategyEntry] = {e.name: e for e in (
+    StrategyEntry("onebit_adam", "OnebitAdamStrategy", "onebit_adam",
+                  "DDP + 1-bit Adam (lightning_optim): fp32 warmup, then 1-bit compressed momentum"),
+    StrategyEntry("zero_one_adam", "ZeroOneAdamStrategy", "zero_one_adam",
+                  "DDP + 0/1 Adam (lightning_optim): sparse variance updates, 1-bit synchronised local steps"),
+    StrategyEntry("onebit_lamb", "OnebitLambStrategy", "onebit_lamb",
+                  "DDP + 1-bit LAMB (lightning_optim): fp32 warmup, then 1-bit compressed momentum"),
+)}
 
 
 def optimizer_class(name: str) -> type:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from pytorch_lightning import Callback
 from pytorch_lightning.strategies import DDPStrategy
 
+from lightning_optim.catalogue import STRATEGIES as _CATALOGUE
 from lightning_optim.lightning import registry as _registry
 from lightning_optim.lightning._base import _OnebitAdamMixin, _OnebitLambMixin, _ZeroOneAdamMixin
 from lightning_optim.lightning._telemetry import _CommTelemetryMixin
@@ -36,11 +37,7 @@ class OnebitLambStrategy(_OnebitLambMixin, DDPStrategy):
     telemetry_callback_class = CommTelemetry
 
 
-STRATEGIES = {
-    "onebit_adam": OnebitAdamStrategy,
-    "zero_one_adam": ZeroOneAdamStrategy,
-    "onebit_lamb": OnebitLambStrategy,
-}
+STRATEGIES = {name: globals()[entry.export] for name, entry in _CATALOGUE.items()}  # the catalogue's names
 
 # Importing this module imported pytorch_lightning: make sure the names are registered there.
 _registry.register("pytorch_lightning")

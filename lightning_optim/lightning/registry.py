@@ -8,7 +8,8 @@ Lightning 2.x has no plugin discovery for strategies, so ``import lightning_opti
   registers then (so ``import lightning_optim`` itself stays cheap: no Lightning import);
 * not installed: nothing happens.
 
-Names: ``onebit_adam``, ``zero_one_adam``, ``onebit_lamb``. A registration failure never breaks
+Names: the strategies of :mod:`lightning_optim.catalogue` (``onebit_adam``, ``zero_one_adam``,
+``onebit_lamb``). A registration failure never breaks
 the user's import of Lightning; it becomes one warning. :func:`register` does the work and can
 be called by hand.
 """
@@ -24,18 +25,15 @@ import warnings
 from types import ModuleType
 from typing import Any
 
+from lightning_optim.catalogue import STRATEGIES
+
 __all__ = ["install", "register", "NAMES"]
 
-NAMES = ("onebit_adam", "zero_one_adam", "onebit_lamb")
+NAMES = tuple(STRATEGIES)
 # Lightning package -> module holding our strategy classes for it
 _FLAVOURS = {
     "lightning.pytorch": "lightning_optim.lightning.strategies",
     "pytorch_lightning": "lightning_optim.lightning.pl_strategies",
-}
-_DESCRIPTIONS = {
-    "onebit_adam": "DDP + 1-bit Adam (lightning_optim): fp32 warmup, then 1-bit compressed momentum",
-    "zero_one_adam": "DDP + 0/1 Adam (lightning_optim): sparse variance updates, 1-bit synchronised local steps",
-    "onebit_lamb": "DDP + 1-bit LAMB (lightning_optim): fp32 warmup, then 1-bit compressed momentum",
 }
 _lock = threading.RLock()
 
@@ -50,7 +48,7 @@ def register(package: str = "lightning.pytorch") -> list[str]:
             entry = dict.get(registry, name) if isinstance(registry, dict) else None  # its .get raises
             if isinstance(entry, dict) and entry.get("strategy") is cls:
                 continue
-            registry.register(name, cls, description=_DESCRIPTIONS[name], override=True)
+            registry.register(name, cls, description=STRATEGIES[name].description, override=True)
             added.append(name)
         return added
 
