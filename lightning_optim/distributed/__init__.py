@@ -1,0 +1,33 @@
+"""mlbench-core's distributed optimizers as plain-PyTorch optimizers, on any torch.distributed backend.
+
+* centralized (synchronous, all-reduce): ``GenericCentralizedOptimizer``, ``CentralizedSGD``,
+  ``CentralizedAdam``, ``CustomCentralizedOptimizer`` (``centralized.py``);
+* compressed: ``CentralizedSparsifiedSGD`` (``sparsified.py``), ``PowerSGD`` (``powersgd.py``), on the
+  compressors and error feedback of :mod:`lightning_optim.comm.compressors`;
+* decentralized (gossip over a topology, point-to-point): ``DecentralizedSGD`` (``decentralized.py``).
+
+Importing this package imports none of them; each name loads its module on first access.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_WHERE = {
+    "GenericCentralizedOptimizer": "centralized",
+    "CentralizedSGD": "centralized",
+    "CentralizedAdam": "centralized",
+    "CustomCentralizedOptimizer": "centralized",
+    "CentralizedSparsifiedSGD": "sparsified",
+    "PowerSGD": "powersgd",
+    "DecentralizedSGD": "decentralized",
+}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _WHERE:
+        return getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
