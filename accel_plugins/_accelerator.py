@@ -67,21 +67,26 @@ class AcceleratorMethods:
     """Instance-level replacements of an Accelerator's methods, put back by :meth:`restore`.
 
     Accelerate has no hook for what ``clip_grad_norm_`` means; the adapters that change it (master
-    weights: clip the fp32 master grads; gradient release: refuse) replace it on this one accelerator.
+    weights: clip the fp32 master grads; 1-bit: a rank-agreed norm in the compression stage;
+    gradient release: refuse) replace it on this one accelerator. A replacement may wrap the one
+    before it (:meth:`current`); ``restore`` puts back what was there.
     """
 
     def __init__(self, accelerator: Any) -> None:
         self.accelerator = accelerator
         self._saved: dict[str, Any] = {}
 
+    def current(self, name: str) -> Any:
+        return getattr(self.accelerator, name)
+
     def replace(self, name: str, function: Any) -> None:
-        if name in vars(self.accelerator):
-            raise RuntimeError(f"accelerator.{name} is already replaced (by another lightning-optim adapter or "
-                               "your code): master weights and gradient release do not combine")
-        self._saved[name] = None
+        self._saved[name] = vars(self.accelerator).get(name)  # None: the class's own method
         setattr(self.accelerator, name, function)
 
     def restore(self) -> None:
-        for name in self._saved:
-            vars(self.accelerator).pop(name, None)
+        for name, previous in self._saved.items():
+            if previous is None:
+                vars(self.accelerator).pop(name, None)
+            else:
+                setattr(self.accelerator, name, previous)
         self._saved.clear()

@@ -1,4 +1,4 @@
-"""1-bit communication for Hugging Face Accelerate: one call after ``accelerator.prepare``.
+r"""1-bit communication for Hugging Face Accelerate: one call after ``accelerator.prepare``.
 
     optimizer = accel_plugins.to_onebit_optimizer(torch.optim.AdamW(model.parameters(), lr=3e-4),
                                                   "onebit_adam", freeze_step=100)   # before prepare
@@ -23,8 +23,14 @@ What ``enable_onebit`` does (no math here; see :mod:`lightning_optim.onebit`):
   save-state hook makes every rank write ``onebit_rank<r>.pt`` next to Accelerate's files, and a
   registered checkpoint object merges it back after ``accelerator.load_state`` (bitwise resume).
 
-In the compression stage ``accelerator.clip_grad_norm_`` clips each rank's local gradients (the
-optimizer averages them afterwards, compressed): as DeepSpeed's 1-bit Adam, the clip is per rank.
+Clipping in the compression stage: each rank holds its local gradient :math:`g_r` (the optimizer
+averages afterwards, compressed), so ``accelerator.clip_grad_norm_`` (the HF Trainer's
+``max_grad_norm`` too) scales every rank's gradient by the same :math:`\min(1, c / N)` with
+:math:`N = \sqrt{\mathrm{mean}_r \lVert g_r \rVert^2}` agreed by one 4-byte all-reduce
+(:func:`lightning_optim.comm.dense.agreed_norm`): the averaged update is clipped consistently on every
+rank, at least as much as DDP would clip, and the returned (logged) norm is :math:`N`, equal on all
+ranks. (DeepSpeed's 1-bit Adam clips each rank by its own norm.) In warmup DDP has averaged the
+gradients and the clip is Accelerate's own. Call ``enable_master_weights`` before ``enable_onebit``.
 """
 
 from __future__ import annotations
@@ -36,8 +42,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from accel_plugins._accelerator import check_ddp_ground, refuse_grad_scaler, unwrap_model, unwrap_optimizer, world
+from accel_plugins._accelerator import (
+    AcceleratorMethods,
+    check_ddp_ground,
+    refuse_grad_scaler,
+    unwrap_model,
+    unwrap_optimizer,
+    world,
+)
 from lightning_optim.comm import SwitchableAllreduceState, comm_stats, register_switchable_allreduce
+from lightning_optim.comm.dense import agreed_norm
 from lightning_optim.lightning.convert import to_onebit
 from lightning_optim.catalogue import OPTIMIZERS
 from lightning_optim.onebit import OnebitOptimizer
@@ -68,8 +82,11 @@ class OnebitHandle:
     optimizer: OnebitOptimizer
     model: nn.Module
     switch: SwitchableAllreduceState | None
+    accelerator: Any = None
     _handles: list = field(default_factory=list)
     _load_dir: str | None = None
+    _methods: AcceleratorMethods | None = None
+    _previous_clip: Any = None
 
     def close(self) -> None:
         """Remove the forward and checkpoint hooks (DDP keeps its comm hook: torch cannot unregister it).
@@ -83,6 +100,25 @@ class OnebitHandle:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        if self._methods is not None:
+            self._methods.restore()
+
+    def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """``accelerator.clip_grad_norm_``: Accelerate's in warmup; a rank-agreed norm in the compression
+        stage (see the module doc). Returns the norm the clip used."""
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        previous = self._previous_clip
+        if self.optimizer.needs_averaged_grads or world()[0] == 1:
+            return previous(params, max_norm, norm_type)
+        from accel_plugins.master_weights import MasterWeightsHandle
+
+        scaler = getattr(self.accelerator, "scaler", None)
+        holders = (scaler._masters_of(params) if isinstance(scaler, MasterWeightsHandle)  # unscaled fp32 grads
+                   else [p for p in params if p.grad is not None])
+        local = nn.utils.get_total_norm([t.grad for t in holders], norm_type)
+        norm = agreed_norm(local, norm_type)
+        nn.utils.clip_grads_with_norm_(holders, max_norm, norm)
+        return norm
 
     def summary(self) -> dict[str, Any]:
         """Bytes this rank sent (``comm_stats()``: DDP's switchable allreduce and the 1-bit collectives)
@@ -156,7 +192,7 @@ def enable_onebit(accelerator: Any, model: nn.Module, optimizer: Any) -> OnebitH
                        "stage needs every rank to step together")
     check_ddp_ground("enable_onebit", accelerator, model)
     switch = None
-    handle = OnebitHandle(optimizer=onebit, model=model, switch=None)
+    handle = OnebitHandle(optimizer=onebit, model=model, switch=None, accelerator=accelerator)
     if isinstance(model, nn.parallel.DistributedDataParallel):
         try:
             switch = register_switchable_allreduce(model, enabled=True)
@@ -171,6 +207,9 @@ def enable_onebit(accelerator: Any, model: nn.Module, optimizer: Any) -> OnebitH
             switch.enabled = onebit.needs_averaged_grads
 
         handle._handles.append(model.register_forward_pre_hook(set_switch))
+    handle._methods = AcceleratorMethods(accelerator)
+    handle._previous_clip = handle._methods.current("clip_grad_norm_")  # Accelerate's, or master weights'
+    handle._methods.replace("clip_grad_norm_", handle.clip_grad_norm_)
     handle._handles.append(accelerator.register_save_state_pre_hook(handle._save_hook))
     handle._handles.append(accelerator.register_load_state_pre_hook(handle._load_hook))
     accelerator.register_for_checkpointing(handle)

@@ -169,6 +169,9 @@ def enable_master_weights(accelerator: Any, model: nn.Module, optimizer: Any,
                          "of master weights; use one of them (bf16 params + Kahan summation go with release)")
     if isinstance(getattr(accelerator, "scaler", None), MasterWeightsHandle):
         raise RuntimeError("accelerator: master weights are already enabled on it")
+    if "clip_grad_norm_" in vars(accelerator):
+        raise RuntimeError("accelerator: enable_onebit / enable_gradient_release ran first; call "
+                           "enable_master_weights right after accelerator.prepare, before them")
     refuse_grad_scaler(caller, accelerator, "would scale the loss a second time and skip steps per rank")
     check_ddp_ground(caller, accelerator, model)
     params = [p for p in unwrap_model(model).parameters() if p.requires_grad]

@@ -5,10 +5,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .stats import CommStats, comm_stats
+from .stats import CommStats, comm_stats, ring_allreduce_bytes
 from .timeouts import check_process_group, collective
 
-__all__ = ["allreduce_mean", "world_size"]
+__all__ = ["allreduce_mean", "agreed_norm", "world_size"]
 
 _UPCAST = (torch.bfloat16, torch.float16)
 
@@ -45,3 +45,27 @@ def allreduce_mean(tensor: Tensor, group=None, stats: CommStats | None = None) -
         tensor.copy_(buf)
     (stats if stats is not None else comm_stats()).add_full_precision(buf.numel(), w, buf.element_size())
     return tensor
+
+
+def agreed_norm(local: Tensor, norm_type: float = 2.0, group=None) -> Tensor:
+    r"""The ranks' local gradient norms combined into one value every rank holds:
+    :math:`N = (\frac{1}{W}\sum_r N_r^p)^{1/p}` (``inf``: :math:`\max_r N_r`).
+
+    For the local gradients :math:`g_r` of a step whose average is taken afterwards (the 1-bit
+    compression stage), :math:`N \ge \lVert \frac{1}{W}\sum_r g_r \rVert` (convexity): scaling
+    every :math:`g_r` by the same :math:`\min(1, c/N)` clips the average at least as much as DDP's
+    clip of the averaged gradient would. One fp32 scalar all-reduce, counted as a control message.
+    """
+    w = world_size(group)
+    value = local.detach().to(torch.float32).reshape(1).clone()
+    if w == 1:
+        return value[0]
+    p = float(norm_type)
+    if p == float("inf"):
+        collective("all_reduce (norm)", dist.all_reduce, value, group=group, op=dist.ReduceOp.MAX)
+    else:
+        value.pow_(p)
+        collective("all_reduce (norm)", dist.all_reduce, value, group=group)
+        value.div_(w).pow_(1.0 / p)
+    comm_stats().add_control(ring_allreduce_bytes(1, w))
+    return value[0]

@@ -49,12 +49,15 @@ for step in range(start, STEPS):
             loss = nn.functional.mse_loss(model(x), y)
             accelerator.backward(loss)
             if accelerator.sync_gradients:
-                accelerator.clip_grad_norm_(model.parameters(), 1.0)
+                local = torch.cat([p.grad.flatten() for p in model.parameters()]).norm()  # before the clip
+                norm = accelerator.clip_grad_norm_(model.parameters(), 1.0)
+                clipped = torch.cat([p.grad.flatten() for p in model.parameters()]).norm()
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad()
     rows.append({"step": step, "bytes": comm_stats().bytes_sent - before, "ddp_allreduce": handle.switch.enabled,
-                 "loss": loss.item()})
+                 "loss": loss.item(), "local_norm": float(local), "clip_norm": float(norm),
+                 "clipped_norm": float(clipped)})
     if save_at is not None and step + 1 == save_at:
         accelerator.save_state(str(out / "ckpt"))
 

@@ -5,6 +5,7 @@ uninterrupted run bitwise."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -48,6 +49,19 @@ def test_compression_engages_and_ranks_stay_identical(runs):
     ratios = [fp32_ring / b for b in compressed]
     assert all(25 < r <= 32.5 for r in ratios), ratios  # sign bits + per-segment scales and headers
     assert full[0]["summary"]["buckets_skipped"] > 0
+
+
+def test_compression_stage_clip_uses_one_norm_agreed_by_the_ranks(runs):
+    full, _ = runs
+    for step, (r0, r1) in enumerate(zip(full[0]["rows"], full[1]["rows"])):
+        if step < 4:  # warmup: DDP averaged the grads, Accelerate's own clip on identical grads
+            assert r0["clip_norm"] == r1["clip_norm"] == pytest.approx(r0["local_norm"], rel=1e-6)
+            continue
+        assert r0["local_norm"] != r1["local_norm"]  # local gradients differ per rank
+        agreed = math.sqrt((r0["local_norm"] ** 2 + r1["local_norm"] ** 2) / 2)
+        assert r0["clip_norm"] == r1["clip_norm"] == pytest.approx(agreed, rel=1e-6)
+        for r in (r0, r1):  # every rank scaled by the same min(1, 1 / N)
+            assert r["clipped_norm"] == pytest.approx(r["local_norm"] * min(1.0, 1.0 / agreed), rel=1e-5)
 
 
 def test_save_state_load_state_resume_is_bitwise(runs):

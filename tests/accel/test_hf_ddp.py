@@ -47,6 +47,13 @@ def test_onebit_adam_from_the_command_line_compresses_under_ddp(runs):
         assert torch.equal(a, b)
 
 
+def test_max_grad_norm_in_the_compression_stage_uses_one_agreed_norm(runs):
+    full, _ = runs
+    norms = [[row["grad_norm"] for row in run["log"] if "grad_norm" in row] for run in full]
+    assert len(norms[0]) == 8 and norms[0] == norms[1]  # per-rank clipping would log each rank's own norm
+    assert all(n > 0 for n in norms[0])
+
+
 def test_resume_from_checkpoint_is_bitwise(runs):
     full, resumed = runs
     for rank in range(2):
