@@ -5,13 +5,13 @@ another's until the timeout.
 
     agree("CentralizedSparsifiedSGD", {"sparse_grad_size": 10, "random_sparse": 0}, group=g, error=exc)
 
-Each rank sends ``1 + len(fields)`` int64 values (``error is not None`` first; fields are zeros on a
-rank that has an error); the bytes are counted as control bytes (``gather_rows``).
+Each rank sends ``1 + len(fields)`` int64 values (an error code first: 0, or which argument was
+refused; fields are zeros on a rank that has an error); the bytes are counted as control bytes (``gather_rows``).
 """
 from __future__ import annotations
 
 import zlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -39,28 +39,43 @@ def control_device(group=None, like: Iterable[Tensor] = ()) -> torch.device:
     return torch.device("cpu")
 
 
+def _error_code(error: BaseException | None, arguments: Sequence[str]) -> int:
+    """0: no error; 1 + i: the message starts with ``arguments[i]``; else ``len(arguments) + 1``."""
+    if error is None:
+        return 0
+    text = str(error.args[0]) if error.args else ""
+    for i, name in enumerate(arguments):
+        if text.startswith(name) and text[len(name):len(name) + 1] in ("", " ", ":", "=", "[", "("):
+            return 1 + i
+    return len(arguments) + 1
+
+
 def agree(what: str, fields: Mapping[str, int], *, group=None, device: torch.device | None = None,
-          error: BaseException | None = None) -> None:
+          error: BaseException | None = None, arguments: Sequence[str] = ()) -> None:
     """Raise on every rank when any rank has ``error`` or any field differs between ranks.
 
     ``fields`` must have the same names, in the same order, on every rank (their number fixes the row
     length). A rank with ``error`` raises it; the others raise a ``ValueError`` naming the ranks that
-    refused. Differing fields give a ``ValueError`` listing each rank's value. One process (or no
-    process group): ``error`` is raised, nothing is sent.
+    refused and, when the error message starts with one of ``arguments``, that argument. Differing
+    fields give a ``ValueError`` listing each rank's value. One process (or no process group):
+    ``error`` is raised, nothing is sent.
     """
     if world_size(group) == 1:
         if error is not None:
             raise error
         return
     values = [0] * len(fields) if error is not None else [int(v) for v in fields.values()]
-    rows = gather_rows(f"all_gather({what} agreement)", [int(error is not None), *values], group=group, device=device)
+    code = _error_code(error, arguments)
+    rows = gather_rows(f"all_gather({what} agreement)", [code, *values], group=group, device=device)
     if error is not None:
         raise error
-    refused = [r for r, row in enumerate(rows) if row[0]]
+    refused = [(r, row[0]) for r, row in enumerate(rows) if row[0]]
     if refused:
+        named = ", ".join(f"rank {r} ({arguments[c - 1] if c <= len(arguments) else 'see its error'})"
+                          for r, c in refused)
         raise ValueError(
-            f"{what}: rank(s) {refused} refused their arguments or state (their own error says which); "
-            "this rank stops with them rather than wait for a collective they will never join"
+            f"{what}: refused on {named}; this rank stops with them rather than wait for a collective they "
+            "will never join"
         )
     differ = []
     for i, name in enumerate(fields, start=1):

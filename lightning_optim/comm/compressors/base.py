@@ -36,10 +36,10 @@ from lightning_optim.optim.validation import check_flag
 from ..dense import world_size
 from ..stats import CommStats, comm_stats
 from ..timeouts import check_process_group
-from .agreement import agree, control_device
+from .agreement import agree, control_device, fingerprint
 from .feedback import absorb_, compensate
 
-__all__ = ["Compressor", "LocalCompressor", "agree_once", "check_reduce_args", "group_rank", "stats_or_default"]
+__all__ = ["Compressor", "LocalCompressor", "agree_layout", "check_reduce_args", "group_rank", "stats_or_default"]
 
 
 def group_rank(group=None) -> int:
@@ -104,6 +104,11 @@ class LocalCompressor(Compressor):
         """Refuse a tensor this compressor cannot take (``tensors[index]``, ``numel`` elements); runs for
         every tensor before anything is compressed or any residual changes."""
 
+    def agreement_fields(self, tensors: Sequence[Tensor]) -> dict[str, int]:
+        """What every rank's call must match (same names on every rank of the same configuration)."""
+        return {"tensors": len(tensors), "elements": sum(t.numel() for t in tensors),
+                "layout": fingerprint((tuple(t.shape), str(t.dtype)) for t in tensors)}
+
     @abstractmethod
     def compress(self, flat: Tensor) -> Any:
         """This rank's message for the 1-D tensor ``flat``."""
@@ -120,9 +125,14 @@ class LocalCompressor(Compressor):
     def reduce(self, tensors: Sequence[Tensor], residuals: Sequence[Tensor] | None = None, *, group=None,
                average: bool = True, stats: CommStats | None = None) -> list[Tensor]:
         tensors, residuals = check_reduce_args(tensors, residuals, group, average)
-        world_size(group)  # a rank outside the group fails here, before any residual moves
-        for i, t in enumerate(tensors):
-            self.check_numel(t.numel(), i)
+        error = None
+        try:
+            for i, t in enumerate(tensors):
+                self.check_numel(t.numel(), i)
+        except ValueError as exc:
+            error = exc
+        # before any residual moves: every rank agrees on the call (or raises)
+        agree_layout(self, self.agreement_fields(tensors), group, tensors, error)
         payloads = []
         for i, t in enumerate(tensors):
             flat = t.reshape(-1)
@@ -142,17 +152,24 @@ def stats_or_default(stats: CommStats | None) -> CommStats:
     return comm_stats() if stats is None else stats
 
 
-def agree_once(owner: object, fields: dict[str, int], group, like: Sequence[Tensor]) -> None:
-    """The bounded layout agreement (``agreement.agree``), once per distinct layout of ``owner``.
+def agree_layout(owner: object, fields: dict[str, int], group, like: Sequence[Tensor],
+                 error: BaseException | None = None) -> None:
+    """The bounded agreement (``agreement.agree``) of ``owner``'s call: always when this rank refused the
+    call (``error``: sent as zeros in place of ``fields``, then raised on every rank), else once per
+    layout this rank has not seen.
 
-    It runs on the first call with a layout this rank has not seen: a rank whose layout, ``k`` or seed
-    differs from its peers' at that call raises on every rank instead of exchanging mismatched buffers.
-    A rank that changes its layout alone later meets its peers' next collective instead, and fails
-    within ``collective_timeout()``.
+    So a rank whose layout, ``k``, seed or arguments differ from its peers' at the first call with that
+    layout raises on every rank instead of exchanging mismatched buffers. A rank that changes alone
+    later meets its peers' next collective instead, and fails within ``collective_timeout()``.
     """
+    if world_size(group) == 1:
+        if error is not None:
+            raise error
+        return
     seen = owner.__dict__.setdefault("_agreed_layouts", set())
     key = (id(group), tuple(fields.items()))
-    if key in seen:
+    if error is None and key in seen:
         return
-    agree(type(owner).__name__, fields, group=group, device=control_device(group, like))
+    agree(type(owner).__name__, fields, group=group, device=control_device(group, like), error=error,
+          arguments=("k", "tensors", "residuals", "keys"))
     seen.add(key)

@@ -42,7 +42,7 @@ from ..dense import world_size
 from ..stats import CommStats, ring_allreduce_bytes
 from ..timeouts import collective
 from .agreement import fingerprint
-from .base import Compressor, agree_once, check_reduce_args, stats_or_default
+from .base import Compressor, agree_layout, check_reduce_args, stats_or_default
 from .feedback import absorb_, compensate
 
 __all__ = ["PowerSGDCompressor", "orthogonalize_"]
@@ -84,9 +84,10 @@ class PowerSGDCompressor(Compressor):
                keys: Sequence[Hashable] | None = None) -> list[Tensor]:
         """``keys`` name each tensor's warm-start query (default: its position in ``tensors``)."""
         tensors, residuals = check_reduce_args(tensors, residuals, group, average)
+        error = None
         keys = list(range(len(tensors))) if keys is None else list(keys)
         if len(keys) != len(tensors) or len(set(keys)) != len(keys):
-            raise ValueError(f"keys must name each of the {len(tensors)} tensors once, got {keys!r}")
+            error = ValueError(f"keys must name each of the {len(tensors)} tensors once, got {keys!r}")
         world = world_size(group)
         corrected = tensors if residuals is None else [compensate(t, e) for t, e in zip(tensors, residuals)]
         dtype = corrected[0].dtype
@@ -100,11 +101,10 @@ class PowerSGDCompressor(Compressor):
         ranks = {i: min(*matrices[i].shape, self.rank) for i in mats}
         p_sizes = [matrices[i].shape[0] * ranks[i] for i in mats]
         q_sizes = [matrices[i].shape[1] * ranks[i] for i in mats]
-        if world > 1:
-            agree_once(self, {"tensors": len(tensors), "matrices": len(mats), "p_elements": sum(p_sizes),
-                              "q_elements": sum(q_sizes), "rank": self.rank, "reuse_query": int(self.reuse_query),
-                              "seed": self.seed, "layout": fingerprint((tuple(c.shape), str(dtype)) for c in corrected)},
-                       group, tensors)
+        agree_layout(self, {"tensors": len(tensors), "matrices": len(mats), "p_elements": sum(p_sizes),
+                            "q_elements": sum(q_sizes), "rank": self.rank, "reuse_query": int(self.reuse_query),
+                            "seed": self.seed, "layout": fingerprint((tuple(c.shape), str(dtype)) for c in corrected)},
+                     group, tensors, error)
 
         queries = [self._query(keys[i], matrices[i].shape[1], ranks[i], dtype, device) for i in mats]
         p_flat = torch.empty(sum(p_sizes), dtype=dtype, device=device)

@@ -30,8 +30,7 @@ from ..dense import world_size
 from ..packing import pack_signs, packed_size, unpack_signs
 from ..stats import CommStats
 from ..timeouts import collective
-from .agreement import fingerprint
-from .base import LocalCompressor, agree_once, stats_or_default
+from .base import LocalCompressor, stats_or_default
 
 __all__ = ["ScaledSign", "SignPayload"]
 
@@ -59,6 +58,9 @@ class ScaledSign(LocalCompressor):
     def __init__(self, majority_vote: bool = False) -> None:
         self.majority_vote = check_flag("majority_vote", majority_vote)
 
+    def agreement_fields(self, tensors: Sequence[Tensor]) -> dict[str, int]:
+        return {**super().agreement_fields(tensors), "majority_vote": int(self.majority_vote)}
+
     def compress(self, flat: Tensor) -> SignPayload:
         scale = None
         if not self.majority_vote:
@@ -75,10 +77,6 @@ class ScaledSign(LocalCompressor):
         if world == 1:
             out = [self.decompress(p) for p in payloads]
             return [torch.sign(o) for o in out] if self.majority_vote else out
-        agree_once(self, {"tensors": len(payloads), "elements": sum(p.numel for p in payloads),
-                          "majority_vote": int(self.majority_vote),
-                          "layout": fingerprint((p.numel, str(p.dtype)) for p in payloads)},
-                   group, [p.packed for p in payloads])
         parts = [p.packed for p in payloads]
         parts += [p.scale.view(torch.uint8) for p in payloads if p.scale is not None]
         mine = torch.cat(parts)

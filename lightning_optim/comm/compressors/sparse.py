@@ -38,8 +38,7 @@ from lightning_optim.optim.validation import check_flag, check_int
 from ..dense import world_size
 from ..stats import CommStats, ring_allreduce_bytes
 from ..timeouts import collective
-from .agreement import fingerprint
-from .base import LocalCompressor, agree_once, group_rank, stats_or_default
+from .base import LocalCompressor, group_rank, stats_or_default
 
 __all__ = ["SparsePayload", "Sparsifier", "TopK", "RandomK", "Blockwise", "gather_sparse", "index_dtype",
            "sparse_wire_bytes"]
@@ -181,21 +180,15 @@ class Sparsifier(LocalCompressor):
     def decompress(self, payload: SparsePayload) -> Tensor:
         return payload.dense()
 
-    def _layout(self, payloads: Sequence[SparsePayload]) -> dict[str, int]:
-        return {"tensors": len(payloads), "elements": sum(p.numel for p in payloads),
-                "k": sum(p.values.numel() for p in payloads),
-                "layout": fingerprint((p.numel, p.values.numel(), str(p.values.dtype)) for p in payloads)}
+    def agreement_fields(self, tensors: Sequence[Tensor]) -> dict[str, int]:
+        return {**super().agreement_fields(tensors), "k": self.k or 0,
+                "ratio_ppm": 0 if self.ratio is None else round(self.ratio * 1e6), "shared_indices": int(self.shared_indices)}
 
     def exchange(self, payloads: Sequence[SparsePayload], *, group=None, average: bool = True,
                  stats: CommStats | None = None) -> list[Tensor]:
         world = world_size(group)
         if world == 1:
             return [p.dense() for p in payloads]
-        fields = self._layout(payloads)
-        if self.shared_indices:  # the first positions must match too, or summing values is meaningless
-            first = payloads[0]
-            fields["positions"] = fingerprint([first.start] if first.indices is None else first.indices.tolist())
-        agree_once(self, fields, group, [p.values for p in payloads])
         if self.shared_indices:
             return _allreduce_shared(payloads, group, world, average, stats)
         return gather_sparse(payloads, group=group, average=average, stats=stats)
@@ -227,15 +220,27 @@ class _Seeded(Sparsifier):
         self.shared_indices = check_flag("shared_indices", shared_indices)
         self.generator = torch.Generator().manual_seed(self.seed if shared_indices else self.seed + group_rank())
 
+        self.draws = 0  # positions drawn so far: equal on every rank while they share positions
+
+    def agreement_fields(self, tensors: Sequence[Tensor]) -> dict[str, int]:
+        fields = super().agreement_fields(tensors)
+        if self.shared_indices:  # same seed and as many draws so far, or summing values is meaningless
+            fields.update(seed=self.seed, draws=self.draws)
+        return fields
+
     def state_dict(self) -> dict[str, Any]:
-        return {"generator": self.generator.get_state()}
+        return {"generator": self.generator.get_state(), "draws": self.draws}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         super().load_state_dict(state)
         saved = state.get("generator")
         if not isinstance(saved, Tensor) or saved.dtype != torch.uint8:
             raise ValueError(f"state: {type(self).__name__}.state_dict() holds 'generator' (a uint8 tensor)")
+        draws = state.get("draws", 0)
+        if isinstance(draws, bool) or not isinstance(draws, int) or draws < 0:
+            raise ValueError(f"state: 'draws' must be an int >= 0, got {draws!r}")
         self.generator.set_state(saved.clone())
+        self.draws = draws
 
 
 class RandomK(_Seeded):
@@ -243,6 +248,7 @@ class RandomK(_Seeded):
 
     def compress(self, flat: Tensor) -> SparsePayload:
         idx = torch.randperm(flat.numel(), generator=self.generator)[:self.k_for(flat.numel())].to(flat.device)
+        self.draws += 1
         return SparsePayload(flat[idx], idx, 0, flat.numel())
 
 
@@ -254,4 +260,5 @@ class Blockwise(_Seeded):
     def compress(self, flat: Tensor) -> SparsePayload:
         k = self.k_for(flat.numel())
         start = int(torch.randint(0, flat.numel() // k, (1,), generator=self.generator)) * k
+        self.draws += 1
         return SparsePayload(flat[start:start + k].clone(), None, start, flat.numel())
