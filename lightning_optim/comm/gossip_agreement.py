@@ -88,7 +88,9 @@ def _claim(spec: object, rank: int, world: int, claimed_rank: object, weights: o
         problem = row_problem(rank, own, world)
         if problem is not None:
             kind, value = problem
-            return _ROW + _KINDS.index(kind), 0 if kind == "entry" else value, value if kind == "entry" else "", None, ()
+            if kind == "entry":  # the bad entry's type name travels as text
+                return _ROW + _KINDS.index(kind), 0, value, None, ()
+            return _ROW + _KINDS.index(kind), value, "", None, ()
         if nested:
             try:  # a whole graph; if it is invalid the global checks on the rows say why
                 topology = Topology.from_neighbors(spec, weights or "uniform")
@@ -152,7 +154,12 @@ def _verdict(rows: list[tuple[int, ...]], world: int, agree_names: Sequence[str]
     for k, name in enumerate(agree_names):
         values = [row[agree_at + k] for row in rows]
         if len(set(values)) > 1:
-            return TopologyError, f"{name} differs across ranks (by rank: {values}); it must be the same on every rank"
+            if all(abs(v) < 1 << 20 for v in values):  # small values (flags, counts): quote them
+                said = f"by rank: {values}"
+            else:  # digests: say which ranks agree with which
+                groups = [[r for r, v in enumerate(values) if v == u] for u in dict.fromkeys(values)]
+                said = f"ranks grouped by value: {groups}"
+            return TopologyError, f"{name} differs across ranks ({said}); it must be the same on every rank"
     lists = _own_lists(rows, world)
     pair = asymmetric_pair(lists)
     if pair is not None:
