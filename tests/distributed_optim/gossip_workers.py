@@ -54,6 +54,7 @@ def gossip_cases(rank: int, world: int, cases, rounds: int) -> dict:
             "by_layer": _rounds(tensors(rank), topology, rounds, by_layer=True),
             "fp32": _rounds(tensors(rank, torch.float32), topology, 1, by_layer=False),
             "fp32_by_layer": _rounds(tensors(rank, torch.float32), topology, 1, by_layer=True),
+            "bf16": _rounds(tensors(rank, torch.bfloat16), topology, 1, by_layer=False),
         }
     return out
 

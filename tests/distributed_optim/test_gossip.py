@@ -97,6 +97,20 @@ def test_bytes_per_round_are_degree_times_numel_times_4(four_ranks):
             assert layered["per_peer"] == [{j: numel * 4 for j in neighbors[rank]}], label
 
 
+def test_16_bit_tensors_travel_in_16_bits_and_mix_in_fp32(four_ranks):
+    numel = sum(torch.Size(s).numel() for s in gw.SHAPES)
+    for label, (neighbors, weights) in EXPECTED_4.items():
+        start = [gw.tensors(r, torch.bfloat16) for r in range(4)]
+        expected = ref.mix(start, ref.mixing_matrix(neighbors, weights))  # float64 from the bf16 values
+        for rank in range(4):
+            got = four_ranks[rank][label]["bf16"]
+            assert got["sent"][0][0] == len(neighbors[rank]) * numel * 2, label
+            for a, b in zip(got["xs"], expected[rank]):
+                assert a.dtype == torch.bfloat16
+                # one rounding to bf16 at the end (fp32 accumulation differs from float64 far below that)
+                torch.testing.assert_close(a.double(), b, rtol=2 ** -8, atol=1e-6, msg=label)
+
+
 def test_consensus_shrinks_by_the_second_eigenvalue(four_ranks):
     # ring of 4, uniform weights: eigenvalues 1, 1/3, 1/3, -1/3 -> every round exactly lambda_2
     lam = ref.second_eigenvalue_modulus(ref.mixing_matrix(ref.ring_neighbors(4)))
