@@ -137,6 +137,10 @@ def show_setup(field: str, value: int) -> str:
 def check_module(model: object) -> torch.nn.Module:
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        raise ValueError("model must be the plain module, not a DistributedDataParallel: DDP already all-reduces "
+                         "the gradients in backward, and the centralized optimizer would aggregate them again "
+                         "(pass model.module, without DDP)")
     return model
 
 

@@ -18,8 +18,8 @@ also averaged once at construction with ``agg_grad=False``, as mlbench does.) Th
 
 Each class is a ``torch.optim.Optimizer`` whose ``param_groups``/``state`` are the local
 optimizer's (``self.optimizer``), so LR schedulers, ``state_dict``/``load_state_dict`` and
-``zero_grad`` act on it. Use these on a plain model, not on a DDP-wrapped one (DDP would average
-the gradients a second time, in its own allreduce).
+``zero_grad`` act on it. The model must be the plain module: a DDP-wrapped one is refused (DDP
+would all-reduce the gradients a second time, in backward).
 
 Deviations from mlbench (each because mlbench's behaviour is a bug or a trap):
 

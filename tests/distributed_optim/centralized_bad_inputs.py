@@ -118,8 +118,11 @@ def step_cases() -> list:
 
 
 def one_rank_cases(world: int) -> list:
-    """Mistakes on one rank only: every rank must raise (no rank left blocked in a collective)."""
+    """Mistakes on one rank only: every rank must raise (no rank left blocked in a collective); and
+    a DDP-wrapped model (DDP needs the process group)."""
     return [
+        ("a DDP model", lambda m, r: _sgd(nn.parallel.DistributedDataParallel(nn.Linear(2, 2))),
+         ValueError, "model"),
         ("world_size wrong on rank 1", lambda m, r: _sgd(m, world_size=world + r), ValueError, "world_size"),
         ("lr wrong on rank 0", lambda m, r: _adam(m, lr=-1.0 if r == 0 else 0.1), ValueError, "lr"),
         ("optimizer missing on rank 1", lambda m, r: _generic(m, optimizer=None if r == 1 else torch.optim.SGD(

@@ -49,6 +49,8 @@ SPECS = {
     "custom_sum": ("custom", "SGD", dict(lr=0.02), {}, {}),
     "custom_weights": ("custom", "Adagrad", dict(lr=0.1), dict(agg_grad=False, average_world=True), {}),
     "custom_bf16": ("custom", "SGD", dict(lr=0.1), dict(average_world=True), dict(dtype=torch.bfloat16)),
+    "custom_weights_bf16": ("custom", "SGD", dict(lr=0.1, momentum=0.5), dict(agg_grad=False, average_world=True),
+                            dict(dtype=torch.bfloat16)),
 }
 
 
