@@ -30,7 +30,8 @@ averages afterwards, compressed), so ``accelerator.clip_grad_norm_`` (the HF Tra
 (:func:`lightning_optim.comm.dense.agreed_norm`): the averaged update is clipped consistently on every
 rank, at least as much as DDP would clip, and the returned (logged) norm is :math:`N`, equal on all
 ranks. (DeepSpeed's 1-bit Adam clips each rank by its own norm.) In warmup DDP has averaged the
-gradients and the clip is Accelerate's own. Call ``enable_master_weights`` before ``enable_onebit``.
+gradients, and ZeroOneAdam's local steps use each rank's own gradient: there the clip is Accelerate's
+own. Call ``enable_master_weights`` before ``enable_onebit``.
 """
 
 from __future__ import annotations
@@ -108,7 +109,7 @@ class OnebitHandle:
         stage (see the module doc). Returns the norm the clip used."""
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         previous = self._previous_clip
-        if self.optimizer.needs_averaged_grads or world()[0] == 1:
+        if not self.optimizer.averages_local_grads or world()[0] == 1:
             return previous(params, max_norm, norm_type)
         from accel_plugins.master_weights import MasterWeightsHandle
 

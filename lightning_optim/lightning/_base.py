@@ -27,6 +27,7 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
+from lightning_optim.lightning._clipping import _AgreedClipMixin
 from lightning_optim.lightning._ddp_hooks import _SwitchableAllreduceMixin
 from lightning_optim.lightning._failures import DEFAULT_TIMEOUT_S, _CommFailureMixin
 from lightning_optim.lightning._rank_checkpoints import CHECKPOINT_KEY, _PerRankCheckpointMixin, rank_file
@@ -40,7 +41,8 @@ __all__ = ["CHECKPOINT_KEY", "DEFAULT_TIMEOUT_S", "rank_file"]
 _NOT_OURS = ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper", "model_averaging_period")
 
 
-class _OnebitStrategyMixin(_PerRankCheckpointMixin, _ByteCountingMixin, _SwitchableAllreduceMixin, _CommFailureMixin):
+class _OnebitStrategyMixin(_AgreedClipMixin, _PerRankCheckpointMixin, _ByteCountingMixin, _SwitchableAllreduceMixin,
+                           _CommFailureMixin):
     """DDP whose gradient allreduce follows ``optimizer.needs_averaged_grads``; see the module doc."""
 
     optimizer_class: ClassVar[type[OnebitOptimizer]]
@@ -112,6 +114,7 @@ class _OnebitStrategyMixin(_PerRankCheckpointMixin, _ByteCountingMixin, _Switcha
             if not any(isinstance(cb, self.telemetry_callback_class) for cb in trainer.callbacks):
                 trainer.callbacks.append(self.telemetry_callback_class())
         super().setup(trainer)
+        self._agree_on_clipping()
         if fitting:
             self._start_counting()
 

@@ -183,6 +183,18 @@ class OnebitOptimizer(OnebitStateDictMixin, MomentumMaskMixin, BaseOptimizer):
         """
         return self._needs_average(self._sched["step"] + 1)
 
+    @property
+    def averages_local_grads(self) -> bool:
+        """Whether the NEXT ``step()`` averages this rank's local gradients itself (compressed): then a
+        gradient clip must use one norm agreed by the ranks (``comm.dense.agreed_norm``). False when the
+        gradients arrive averaged (warmup) and in steps that stay local (ZeroOneAdam's local stage)."""
+        t = self._sched["step"] + 1
+        return not self._needs_average(t) and not self._local_step(t)
+
+    def _local_step(self, t: int) -> bool:
+        """Whether step ``t`` updates with this rank's gradients alone (no averaging of them)."""
+        return False
+
     # Set by the adapters that switch DDP's allreduce by ``needs_averaged_grads`` (the Lightning
     # strategies, accel_plugins.enable_onebit); set it yourself after register_switchable_allreduce.
     ddp_allreduce_managed = False

@@ -191,6 +191,9 @@ class ZeroOneAdam(OnebitOptimizer):
     def _needs_average(self, t: int) -> bool:
         return t <= self.var_freeze_step and t % self._sched["var_interval"] == 0
 
+    def _local_step(self, t: int) -> bool:
+        return t > self.var_freeze_step  # the local stage: gradients never leave the rank
+
     def _onebit_step(self, layout: Layout, t: int) -> None:
         if t <= self.var_freeze_step:
             self._variance_stage_step(layout, t)

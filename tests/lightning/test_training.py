@@ -53,6 +53,19 @@ def test_ddp_allreduce_is_off_when_the_optimizer_communicates(runs, case):
 
 
 @pytest.mark.parametrize("case", list(CASES))
+def test_gradient_clip_uses_one_norm_agreed_by_the_ranks_when_the_optimizer_averages(runs, case):
+    agreed_steps = 0
+    for r0, r1 in zip(runs[0][case]["rows"], runs[1][case]["rows"]):
+        if r0["ddp_allreduce"] or (case == "zero_one_adam" and r0["step"] > FREEZE):
+            continue  # averaged by DDP, or ZeroOneAdam's local stage: each rank clips its own gradient
+        agreed_steps += 1
+        assert r0["local_norm"] != r1["local_norm"]
+        expected = math.sqrt((r0["local_norm"] ** 2 + r1["local_norm"] ** 2) / 2)
+        assert r0["clip_norm"] == r1["clip_norm"] == pytest.approx(expected, rel=1e-5)
+    assert agreed_steps >= (1 if case == "zero_one_adam" else STEPS - FREEZE)
+
+
+@pytest.mark.parametrize("case", list(CASES))
 def test_ranks_hold_identical_params_after_synchronised_steps(runs, case):
     zero, one = runs[0][case], runs[1][case]
     assert sorted(zero["synced"]) == sorted(one["synced"])

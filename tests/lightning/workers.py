@@ -75,11 +75,16 @@ def _fit(rank: int, world: int, case: str, out: Path, *, max_steps: int, accumul
             self.rows: list[dict[str, Any]] = []
             self.synced: dict[int, torch.Tensor] = {}
 
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):  # before Lightning clips
+            self.local_norm = float(torch.cat([p.grad.flatten() for p in pl_module.parameters()
+                                               if p.grad is not None]).norm())
+
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             strategy = trainer.strategy
             opt = strategy.onebit_optimizer
             row = {"loss": float(outputs["loss"]), "enabled": strategy.allreduce_switch.enabled,
-                   "step": trainer.global_step, "epoch": trainer.current_epoch, **strategy.comm_last_step}
+                   "step": trainer.global_step, "epoch": trainer.current_epoch, **strategy.comm_last_step,
+                   "local_norm": getattr(self, "local_norm", None), "clip_norm": strategy.last_clip_norm}
             self.rows.append(row)
             if opt.params_synchronized:
                 self.synced[trainer.global_step] = _flat_params(pl_module)

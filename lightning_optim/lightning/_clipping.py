@@ -1,0 +1,46 @@
+r"""``gradient_clip_val`` (norm) in the 1-bit strategies' compression stage: one norm for all ranks.
+
+There each rank holds its local gradient :math:`g_r` (the optimizer averages afterwards,
+compressed); clipping each by its own norm would scale the ranks' contributions differently and
+log a different norm per rank. Instead every rank scales by the same :math:`\min(1, c / N)` with
+:math:`N = \sqrt{\mathrm{mean}_r \lVert g_r \rVert^2}` (:func:`lightning_optim.comm.dense.agreed_norm`,
+one 4-byte all-reduce), which is at least the averaged gradient's norm: the clip is at least DDP's.
+In warmup DDP has averaged the gradients, and in ZeroOneAdam's local stage each rank updates with its
+own gradient: there the precision plugin's own clip runs (on the fp32 masters with
+``MasterWeightsPrecision``: ``main_params``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from lightning_optim.comm.dense import agreed_norm
+
+__all__ = ["_AgreedClipMixin"]
+
+
+class _AgreedClipMixin:
+    """For the 1-bit strategies; their optimizer's ``averages_local_grads`` tells the coming step's kind."""
+
+    last_clip_norm: float | None = None  # the norm the last compression-stage clip used (equal on every rank)
+
+    def _agree_on_clipping(self) -> None:
+        """Wrap this strategy's precision plugin's ``clip_grad_by_norm`` (once)."""
+        plugin = self.precision_plugin
+        if "clip_grad_by_norm" in vars(plugin):
+            return
+        own = plugin.clip_grad_by_norm
+
+        def clip_grad_by_norm(optimizer: Any, clip_val: float) -> None:
+            onebit = self.onebit_optimizer
+            if onebit is None or not onebit.averages_local_grads:
+                return own(optimizer, clip_val)
+            params = [p for p in plugin.main_params(optimizer) if p.grad is not None]
+            norm = agreed_norm(nn.utils.get_total_norm([p.grad for p in params]))
+            nn.utils.clip_grads_with_norm_(params, clip_val, norm)
+            self.last_clip_norm = float(norm)
+            return None
+
+        plugin.clip_grad_by_norm = clip_grad_by_norm
