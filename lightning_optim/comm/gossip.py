@@ -141,9 +141,7 @@ def gossip_average(tensors: Iterable[Tensor], topology: Topology, group=None, *,
         for j in neighbours:
             sent[j] += nbytes
         # gossip is full precision but no allreduce: its bytes and the fp32 ring figure it replaces
-        stats.bytes_sent += nbytes * len(neighbours)
-        stats.fp32_equivalent_bytes += ring_allreduce_bytes(buf.numel(), world)
-        stats.full_precision_calls += 1
+        stats.add_point_to_point(nbytes * len(neighbours), buf.numel(), world)
     return sent
 
 

@@ -53,6 +53,13 @@ class CommStats:
         self.fp32_equivalent_bytes += ring_allreduce_bytes(numel, world_size)
         self.full_precision_calls += 1
 
+    def add_point_to_point(self, bytes_sent: int, numel: int, world_size: int) -> None:
+        """A full-precision exchange with neighbours (gossip): the bytes sent to all of them; its fp32
+        equivalent is what a ring allreduce of the same ``numel`` would send."""
+        self.bytes_sent += int(bytes_sent)
+        self.fp32_equivalent_bytes += ring_allreduce_bytes(numel, world_size)
+        self.full_precision_calls += 1
+
     def add_control(self, bytes_sent: int) -> None:
         self.bytes_sent += int(bytes_sent)
         self.control_calls += 1
