@@ -28,8 +28,8 @@ def check_world_size(world_size: object, group: Any) -> int:
     check_int("world_size", world_size, 1)
     actual = group_world_size(group)
     if world_size != actual:
-        where = ("torch.distributed is not initialized (one process)" if not (dist.is_available() and dist.is_initialized())
-                 else f"the process group has {actual} ranks")
+        initialized = dist.is_available() and dist.is_initialized()
+        where = f"the process group has {actual} ranks" if initialized else "torch.distributed is not initialized"
         raise ValueError(f"world_size={world_size} must equal the number of ranks of the process group, {actual}: {where}")
     return int(world_size)
 

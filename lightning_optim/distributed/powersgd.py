@@ -48,7 +48,7 @@ from torch.optim.optimizer import required
 
 from lightning_optim.comm.compressors import PowerSGDCompressor
 from lightning_optim.comm.timeouts import check_process_group
-from lightning_optim.optim.validation import check_flag, check_int, check_non_negative, check_unit_interval
+from lightning_optim.optim.validation import check_flag, check_non_negative, check_unit_interval
 
 from .compressed_checks import agree_fields, check_world_size, grads_or_zeros, layout_fields, trainable
 
@@ -70,7 +70,8 @@ def _params_of(model: object) -> list:
             raise ValueError("model: has no parameter with requires_grad=True")
         return params
     if isinstance(model, Tensor) or not isinstance(model, Iterable):
-        raise TypeError(f"model must be an nn.Module or an iterable of params or param groups, got {type(model).__name__}")
+        raise TypeError("model must be an nn.Module or an iterable of params or param groups, "
+                        f"got {type(model).__name__}")
     return list(model)
 
 

@@ -201,7 +201,8 @@ class PowerSGDCompressor(Compressor):
         generator, queries = state.get("generator"), state.get("queries", {})
         if not isinstance(generator, Tensor) or generator.dtype != torch.uint8:
             raise ValueError("state: PowerSGDCompressor.state_dict() holds 'generator' (a uint8 tensor)")
-        if not isinstance(queries, Mapping) or not all(isinstance(q, Tensor) and q.dim() == 2 for q in queries.values()):
+        if not isinstance(queries, Mapping) or not all(isinstance(q, Tensor) and q.dim() == 2
+                                                       for q in queries.values()):
             raise ValueError("state: 'queries' must map keys to 2-D tensors")
         self.generator.set_state(generator.clone())
         self._queries = {k: q.clone() for k, q in queries.items()}

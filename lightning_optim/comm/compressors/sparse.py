@@ -182,7 +182,8 @@ class Sparsifier(LocalCompressor):
 
     def agreement_fields(self, tensors: Sequence[Tensor]) -> dict[str, int]:
         return {**super().agreement_fields(tensors), "k": self.k or 0,
-                "ratio_ppm": 0 if self.ratio is None else round(self.ratio * 1e6), "shared_indices": int(self.shared_indices)}
+                "ratio_ppm": 0 if self.ratio is None else round(self.ratio * 1e6),
+                "shared_indices": int(self.shared_indices)}
 
     def exchange(self, payloads: Sequence[SparsePayload], *, group=None, average: bool = True,
                  stats: CommStats | None = None) -> list[Tensor]:
