@@ -42,8 +42,8 @@ class OptimizerEntry:
 class StrategyEntry:
     name: str
     export: str  # the class name in lightning_optim.lightning (and .pl_strategies for pytorch_lightning)
-    optimizer: str  # the catalogue name of the 1-bit optimizer it trains with
     description: str
+    optimizer: str | None = None  # the catalogue name of the 1-bit optimizer it converts to (None: any optimizer)
 
 
 _OPT = "lightning_optim.optim."
@@ -72,12 +72,13 @@ OPTIMIZERS: dict[str, OptimizerEntry] = {e.name: e for e in (
 )}
 
 STRATEGIES: dict[str, StrategyEntry] = {e.name: e for e in (
-    StrategyEntry("onebit_adam", "OnebitAdamStrategy", "onebit_adam",
-                  "DDP + 1-bit Adam (lightning_optim): fp32 warmup, then 1-bit compressed momentum"),
-    StrategyEntry("zero_one_adam", "ZeroOneAdamStrategy", "zero_one_adam",
-                  "DDP + 0/1 Adam (lightning_optim): sparse variance updates, 1-bit synchronised local steps"),
-    StrategyEntry("onebit_lamb", "OnebitLambStrategy", "onebit_lamb",
-                  "DDP + 1-bit LAMB (lightning_optim): fp32 warmup, then 1-bit compressed momentum"),
+    StrategyEntry("onebit_adam", "OnebitAdamStrategy",
+                  "DDP + 1-bit Adam (lightning_optim): fp32 warmup, then 1-bit compressed momentum", "onebit_adam"),
+    StrategyEntry("zero_one_adam", "ZeroOneAdamStrategy",
+                  "DDP + 0/1 Adam (lightning_optim): sparse variance updates, 1-bit synchronised local steps",
+                  "zero_one_adam"),
+    StrategyEntry("onebit_lamb", "OnebitLambStrategy",
+                  "DDP + 1-bit LAMB (lightning_optim): fp32 warmup, then 1-bit compressed momentum", "onebit_lamb"),
 )}
 
 
