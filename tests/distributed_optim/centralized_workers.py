@@ -204,10 +204,18 @@ class CountingTracker:
         self.calls.append("opt")
 
 
-def train_tiny(rank: int, world: int, kind: str, steps: int = 40) -> dict:
-    """A linear regression, different data on every rank, real backward (through a closure for
-    'closure'): the losses on this rank's data, the final params and the tracker's calls."""
+TRAIN_KINDS = ["sgd", "adam", "weights", "custom"]
+
+
+def train_tiny_all(rank: int, world: int) -> dict:
+    """``train_tiny`` for every kind, in one launch."""
     set_collective_timeout(60)
+    return {kind: train_tiny(rank, world, kind) for kind in TRAIN_KINDS}
+
+
+def train_tiny(rank: int, world: int, kind: str, steps: int = 40) -> dict:
+    """A small regression net, different data on every rank, real backward through a closure: the
+    losses on this rank's data, the final params and the tracker's calls."""
     torch.manual_seed(0)  # the same initial model everywhere
     model = nn.Sequential(nn.Linear(6, 4), nn.Tanh(), nn.Linear(4, 1))
     gen = torch.Generator().manual_seed(1 + rank)
