@@ -50,6 +50,7 @@ from lightning_optim.comm.compressors import PowerSGDCompressor
 from lightning_optim.comm.timeouts import check_process_group
 from lightning_optim.optim.validation import check_flag, check_non_negative, check_unit_interval
 
+from .communicating import CommunicatingOptimizer
 from .compressed_checks import agree_fields, check_world_size, grads_or_zeros, layout_fields, trainable
 
 __all__ = ["PowerSGD"]
@@ -75,7 +76,7 @@ def _params_of(model: object) -> list:
     return list(model)
 
 
-class PowerSGD(torch.optim.SGD):
+class PowerSGD(CommunicatingOptimizer, torch.optim.SGD):
     """PowerSGD with error feedback, then momentum SGD (see the module docstring).
 
     Args:
@@ -131,11 +132,6 @@ class PowerSGD(torch.optim.SGD):
         return {"world_size": self.world_size, "average_world": int(self.average_world), "by_layer": int(self.by_layer),
                 "rank": c.rank, "reuse_query": int(c.reuse_query), "seed": c.seed,
                 **layout_fields(trainable(self.param_groups))}
-
-    @property
-    def needs_averaged_grads(self) -> bool:
-        """False: this optimizer communicates by itself and wants this rank's local gradients."""
-        return False
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:

@@ -50,6 +50,7 @@ from lightning_optim.optim.base import Batch, ParamsT
 from lightning_optim.optim.sparsified_sgd import SparsifiedSGD
 from lightning_optim.optim.validation import check_flag
 
+from .communicating import CommunicatingOptimizer
 from .compressed_checks import agree_fields, check_world_size, grads_or_zeros, layout_fields, trainable
 
 __all__ = ["CentralizedSparsifiedSGD"]
@@ -60,7 +61,7 @@ _FIELDS = ("world_size", "average_world", "params", "elements", "shapes", "spars
            "largest_sparse_grad_size", "selection", "optimizer_accumulation")
 
 
-class CentralizedSparsifiedSGD(SparsifiedSGD):
+class CentralizedSparsifiedSGD(CommunicatingOptimizer, SparsifiedSGD):
     """Sparsified SGD with memory on every rank, the sparse vectors averaged over ranks (see the module).
 
     Args:
@@ -124,11 +125,6 @@ class CentralizedSparsifiedSGD(SparsifiedSGD):
     def _release_blocker(self) -> str | None:
         return ("it exchanges every param's sparse vector with the other ranks in step(); per-param steps "
                 "from backward hooks would run those collectives in each rank's own order")
-
-    @property
-    def needs_averaged_grads(self) -> bool:
-        """False: this optimizer communicates by itself and wants this rank's local gradients."""
-        return False
 
     # ------------------------------------------------------------------ stepping
     def _params_with_grad(self, group: dict[str, Any]) -> tuple[list[Tensor], list[Tensor]]:

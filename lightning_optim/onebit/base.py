@@ -20,15 +20,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_optim import ops
-from lightning_optim.comm import (
-    allreduce_mean,
-    check_process_group,
-    comm_stats,
-    compressed_allreduce,
-    error_buffer_sizes,
-    gather_rows,
-    make_error_buffers,
-)
+from lightning_optim.comm import allreduce_mean, check_process_group, gather_rows
+from lightning_optim.comm.compressors.onebit import OnebitCompressor
+from lightning_optim.distributed.communicating import CommunicatingOptimizer
 from lightning_optim.onebit.checkpoint import OnebitStateDictMixin
 from lightning_optim.onebit.layout import Layout
 from lightning_optim.onebit.masks import MomentumMaskMixin
@@ -58,7 +52,7 @@ def _auto_mask_ratio(value: object) -> float | None:
     return check_unit_interval("auto_mask", value)
 
 
-class OnebitOptimizer(OnebitStateDictMixin, MomentumMaskMixin, BaseOptimizer):
+class OnebitOptimizer(CommunicatingOptimizer, OnebitStateDictMixin, MomentumMaskMixin, BaseOptimizer):
     """Base of the 1-bit optimizers. Subclasses define:
 
     * ``_flat_keys`` / ``_lazy_flat_keys``: the per-param fp32 state tensors kept in flat
@@ -96,9 +90,7 @@ class OnebitOptimizer(OnebitStateDictMixin, MomentumMaskMixin, BaseOptimizer):
         self._layout: Layout | None = None
         self._flats: dict[str, Tensor] = {}
         self._flat_views: dict[str, list[Tensor]] = {}
-        self._worker_error: Tensor | None = None
-        self._server_error: Tensor | None = None
-        self._error_origin: tuple[int, int] | None = None  # (world size, rank) the errors belong to
+        self.compressor = OnebitCompressor()  # its error buffers are this rank's own
         super().__init__(params, {**defaults, "gradient_release": gradient_release})
 
     # ------------------------------------------------------------------ arguments
@@ -170,53 +162,9 @@ class OnebitOptimizer(OnebitStateDictMixin, MomentumMaskMixin, BaseOptimizer):
         self._init_param_state(group, torch.empty_like(p, device="meta"), scalars)
         return set(self._flat_keys), set(self._lazy_flat_keys) | set(scalars) | set(self._optional_state_keys)
 
-    # ------------------------------------------------------------------ the DDP contract
-    @property
-    def needs_averaged_grads(self) -> bool:
-        """Whether the NEXT ``step()`` consumes gradients averaged over ranks in full precision.
-
-        True: the gradients of the next backward must be averaged over ranks, by DDP (its
-        allreduce switched on, ``average_grads=False``) or by this optimizer
-        (``average_grads=True``). False: the optimizer communicates by itself and wants this
-        rank's local gradients; DDP's allreduce can be switched off for the next backward.
-        Equal on every rank.
-        """
-        return self._needs_average(self._sched["step"] + 1)
-
-    @property
-    def averages_local_grads(self) -> bool:
-        """Whether the NEXT ``step()`` averages this rank's local gradients itself (compressed): then a
-        gradient clip must use one norm agreed by the ranks (``comm.dense.agreed_norm``). False when the
-        gradients arrive averaged (warmup) and in steps that stay local (ZeroOneAdam's local stage)."""
-        t = self._sched["step"] + 1
-        return not self._needs_average(t) and not self._local_step(t)
-
-    def _local_step(self, t: int) -> bool:
-        """Whether step ``t`` updates with this rank's gradients alone (no averaging of them)."""
-        return False
-
-    # Set by the adapters that switch DDP's allreduce by ``needs_averaged_grads`` (the Lightning
-    # strategies, accel_plugins.enable_onebit); set it yourself after register_switchable_allreduce.
-    ddp_allreduce_managed = False
-    _warned_unmanaged = False
-
-    def _warn_if_ddp_unmanaged(self, t: int) -> None:
-        """At each step that wants local gradients on several ranks with nobody switching DDP: counted in
-        ``comm_stats().unmanaged_steps`` (its ratio becomes unknown) and warned about once."""
-        if self.ddp_allreduce_managed or self.average_grads or self._needs_average(t):
-            return
-        world, _ = self._world()
-        if world > 1:
-            comm_stats().unmanaged_steps += 1
-        if world > 1 and not self._warned_unmanaged:
-            self._warned_unmanaged = True
-            warnings.warn(
-                f"{type(self).__name__}: compressing on {world} ranks, but nothing switches DDP's allreduce off: if "
-                "the model is wrapped in DistributedDataParallel, DDP's fp32 allreduce still runs every step beside "
-                "the 1-bit one (more bytes than plain DDP; comm_stats() cannot see DDP's own allreduce, so its "
-                "compression_ratio is NaN from now on). Use "
-                "accel_plugins.enable_onebit, Trainer(strategy='onebit_adam'), or register_switchable_allreduce and "
-                "set optimizer.ddp_allreduce_managed = True", UserWarning, stacklevel=3)
+    # ------------------------------------------------------------------ the DDP contract (CommunicatingOptimizer)
+    def _steps_taken(self) -> int:
+        return self._sched["step"]
 
     @property
     def params_synchronized(self) -> bool:
@@ -402,11 +350,6 @@ class OnebitOptimizer(OnebitStateDictMixin, MomentumMaskMixin, BaseOptimizer):
         self._apply(batch, deltas, decay=decay)
 
     # ------------------------------------------------------------------ communication
-    def _world(self) -> tuple[int, int]:
-        if dist.is_available() and dist.is_initialized():
-            return dist.get_world_size(self.process_group), dist.get_rank(self.process_group)
-        return 1, 0
-
     def _average_(self, flat: Tensor) -> None:
         """Full-precision mean over ranks, in place (nothing on one rank)."""
         if self._world()[0] > 1 and flat.numel():
@@ -415,27 +358,11 @@ class OnebitOptimizer(OnebitStateDictMixin, MomentumMaskMixin, BaseOptimizer):
     def _compress_(self, flat: Tensor) -> None:
         """Error-compensated 1-bit mean over ranks, in place (nothing on one rank); each param's
         slice of ``flat`` is compressed with its own scale (as DeepSpeed compresses per param)."""
-        world, rank = self._world()
-        if world == 1 or not flat.numel():
-            return
-        segments = self._layout.numels
-        if self._worker_error is not None:
-            sizes = (self._worker_error.numel(), self._server_error.numel())
-            if sizes != tuple(error_buffer_sizes(flat.numel(), world, segments)):
-                self._warn_errors_reset(f"their sizes {sizes} do not fit {flat.numel()} elements on {world} ranks")
-            elif self._worker_error.device != flat.device:
-                self._worker_error = self._worker_error.to(flat.device)
-                self._server_error = self._server_error.to(flat.device)
-        if self._worker_error is None:
-            self._worker_error, self._server_error = make_error_buffers(flat, self.process_group, segments)
-            self._error_origin = (world, rank)
-        compressed_allreduce(flat, self._worker_error, self._server_error, group=self.process_group,
-                             segments=segments)
+        self.compressor.reduce_flat_(flat, group=self.process_group, segments=self._layout.numels,
+                                     on_reset=self._warn_errors_reset)
 
     def _reset_error_buffers(self) -> None:
-        if self._worker_error is not None:
-            self._worker_error.zero_()
-            self._server_error.zero_()
+        self.compressor.reset()
 
     # ------------------------------------------------------------------ for subclasses
     def _initial_schedule(self) -> dict[str, Any]:

@@ -20,8 +20,8 @@ class OnebitStateDictMixin:
 
     def _drop_foreign_errors(self) -> None:
         """Error buffers restored from another rank or world size carry another rank's residue."""
-        if self._worker_error is not None and self._error_origin != self._world():
-            world, rank = self._error_origin
+        if not self.compressor.belongs_here(self.process_group):
+            world, rank = self.compressor.origin
             self._warn_errors_reset(
                 f"they were saved by rank {rank} of {world} and this is rank {self._world()[1]} of {self._world()[0]}"
             )
@@ -33,7 +33,7 @@ class OnebitStateDictMixin:
             UserWarning,
             stacklevel=4,
         )
-        self._worker_error = self._server_error = self._error_origin = None
+        self.compressor.forget()
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -45,14 +45,15 @@ class OnebitStateDictMixin:
         one warning).
         """
         sd = super().state_dict()
-        origin = self._error_origin if self._worker_error is not None else self._world()
+        errors = self.compressor.state_dict()
+        origin = self.compressor.origin if errors["worker_error"] is not None else self._world()
         sd["onebit"] = {
             "optimizer": type(self).__name__,
             "schedule": copy.deepcopy(self._sched),
             "world_size": origin[0],
             "rank": origin[1],
-            "worker_error": self._worker_error,
-            "server_error": self._server_error,
+            "worker_error": errors["worker_error"],
+            "server_error": errors["server_error"],
         }
         return sd
 
@@ -78,12 +79,8 @@ class OnebitStateDictMixin:
                 group["exp_avg_mask"] = mask
         self._layout, self._flats = None, {}
         self._sched = copy.deepcopy(schedule)
-        worker, server = onebit.get("worker_error"), onebit.get("server_error")
-        if worker is None or server is None:
-            self._worker_error = self._server_error = self._error_origin = None
-        else:
-            self._worker_error, self._server_error = worker.clone(), server.clone()
-            self._error_origin = (int(onebit["world_size"]), int(onebit["rank"]))
+        self.compressor.load_state_dict({key: onebit.get(key) for key in
+                                         ("worker_error", "server_error", "world_size", "rank")})
 
     # ------------------------------------------------------------------ per-rank parts
     @classmethod

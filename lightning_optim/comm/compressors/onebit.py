@@ -1,0 +1,105 @@
+r"""The 1-bit compressor: DeepSpeed's error-compensated 1-bit averaging as a :class:`Compressor`.
+
+One call (:func:`lightning_optim.comm.compressed_allreduce`, one scale per segment) averages with two
+error feedbacks: every rank compresses its chunk-padded input plus its *worker error*, each rank
+averages the chunk it serves and compresses it again plus its *server error*:
+
+.. math::
+    c = x + e_w,\ \ s = \tfrac{\lVert c \rVert_1}{d}\,\mathrm{sign}(c),\ \ e_w \leftarrow c - s;\qquad
+    \bar c_j = \tfrac{1}{W}\sum_r s_{r,j} + e_{s,j},\ \ \bar s_j = \tfrac{\lVert \bar c_j \rVert_1}{d_j}
+    \mathrm{sign}(\bar c_j),\ \ e_{s,j} \leftarrow \bar c_j - \bar s_j
+
+(Tang et al. 2021, 1-bit Adam, arXiv 2102.02888). Both errors are padded to the chunk layout, so
+unlike the other compressors it keeps them itself (``residuals`` stays ``None``) and saves them in
+:meth:`state_dict`, with the (world size, rank) they belong to: they are this rank's own.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ..compressed import compressed_allreduce, compressed_bytes, error_buffer_sizes, make_error_buffers
+from ..dense import world_size
+from ..stats import CommStats
+from .base import Compressor, check_reduce_args, group_rank
+
+__all__ = ["OnebitCompressor"]
+
+
+class OnebitCompressor(Compressor):
+    """Error-compensated 1-bit averaging; ``worker_error``/``server_error``: this rank's residuals."""
+
+    def __init__(self) -> None:
+        self.worker_error: Tensor | None = None
+        self.server_error: Tensor | None = None
+        self.origin: tuple[int, int] | None = None  # (world size, rank) the error buffers belong to
+
+    def reduce_flat_(self, flat: Tensor, *, group=None, segments: Sequence[int] | None = None,
+                     on_reset: Callable[[str], None] | None = None, stats: CommStats | None = None) -> None:
+        """Average ``flat`` (fp32, 1-D) over the ranks in place; one scale per ``segments`` piece.
+        Error buffers that no longer fit are dropped (``on_reset(why)`` is told) and start again at zero."""
+        world = world_size(group)
+        if world == 1 or not flat.numel():
+            return
+        if self.worker_error is not None:
+            sizes = (self.worker_error.numel(), self.server_error.numel())
+            if sizes != tuple(error_buffer_sizes(flat.numel(), world, segments)):
+                self.forget()
+                if on_reset is not None:
+                    on_reset(f"their sizes {sizes} do not fit {flat.numel()} elements on {world} ranks")
+            elif self.worker_error.device != flat.device:
+                self.worker_error = self.worker_error.to(flat.device)
+                self.server_error = self.server_error.to(flat.device)
+        if self.worker_error is None:
+            self.worker_error, self.server_error = make_error_buffers(flat, group, segments)
+            self.origin = (world, group_rank(group))
+        compressed_allreduce(flat, self.worker_error, self.server_error, group=group, stats=stats, segments=segments)
+
+    def reduce(self, tensors: Sequence[Tensor], residuals: Sequence[Tensor] | None = None, *, group=None,
+               average: bool = True, stats: CommStats | None = None) -> list[Tensor]:
+        tensors, residuals = check_reduce_args(tensors, residuals, group, average)
+        if residuals is not None:
+            raise ValueError("residuals: the 1-bit compressor keeps its own error buffers (padded to its chunk "
+                             "layout); pass None")
+        if not average:
+            raise ValueError("average: the 1-bit allreduce averages; a sum is not offered")
+        flat = torch.cat([t.detach().reshape(-1).float() for t in tensors])
+        self.reduce_flat_(flat, group=group, segments=[t.numel() for t in tensors], stats=stats)
+        return [piece.view(t.shape).to(t.dtype) for piece, t in zip(flat.split([t.numel() for t in tensors]), tensors)]
+
+    def bytes_sent(self, numels: Sequence[int], world_size: int, dtype: torch.dtype = torch.float32) -> int:
+        return compressed_bytes(sum(numels), world_size, list(numels)) if world_size > 1 else 0
+
+    # ------------------------------------------------------------------ the residuals' life
+    def reset(self) -> None:
+        """Zero the residuals (e.g. when what is compressed changes meaning: gradients -> momenta)."""
+        if self.worker_error is not None:
+            self.worker_error.zero_()
+            self.server_error.zero_()
+
+    def forget(self) -> None:
+        self.worker_error = self.server_error = self.origin = None
+
+    def belongs_here(self, group=None) -> bool:
+        """Whether the residuals (if any) were made by this rank of this world size."""
+        here = (world_size(group), group_rank(group)) if dist.is_available() and dist.is_initialized() else (1, 0)
+        return self.worker_error is None or self.origin == here
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"worker_error": self.worker_error, "server_error": self.server_error,
+                "world_size": self.origin[0] if self.origin else None, "rank": self.origin[1] if self.origin else None}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        super().load_state_dict(state)
+        worker, server = state.get("worker_error"), state.get("server_error")
+        if worker is None or server is None:
+            self.forget()
+            return
+        if not (isinstance(worker, Tensor) and isinstance(server, Tensor)):
+            raise TypeError("state: worker_error and server_error must be tensors or None")
+        self.worker_error, self.server_error = worker.clone(), server.clone()
+        self.origin = (int(state["world_size"]), int(state["rank"]))
