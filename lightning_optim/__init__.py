@@ -15,6 +15,7 @@ from lightning_optim.lightning.registry import install as _install_strategies
 
 _install_strategies()
 
+from lightning_optim.catalogue import DISTRIBUTED as _DISTRIBUTED
 from lightning_optim.catalogue import OPTIMIZERS as _OPTIMIZERS
 from lightning_optim.catalogue import STRATEGIES as _STRATEGIES
 from lightning_optim.optim import prepare_for_gradient_release, remove_gradient_release
@@ -43,10 +44,21 @@ if TYPE_CHECKING:  # the same names for type checkers and IDEs; tests/test_catal
         SparsifiedSGD,
         StableAdamW,
     )
+    from lightning_optim.distributed import (
+        CentralizedAdam,
+        CentralizedSGD,
+        CentralizedSparsifiedSGD,
+        CustomCentralizedOptimizer,
+        DecentralizedSGD,
+        GenericCentralizedOptimizer,
+        PowerSGD,
+    )
     from lightning_optim.lightning import OnebitAdamStrategy, OnebitLambStrategy, ZeroOneAdamStrategy
 
-# The Lightning strategy classes, at the top level without importing Lightning until first use.
+# The Lightning strategy classes (without importing Lightning until first use) and mlbench's distributed
+# optimizers, at the top level, loaded on first access.
 _LAZY = {_entry.export: "lightning_optim.lightning" for _entry in _STRATEGIES.values()}
+_LAZY.update({_entry.export: "lightning_optim.distributed" for _entry in _DISTRIBUTED.values()})
 
 
 def __getattr__(name: str):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 
-__all__ = ["OptimizerEntry", "StrategyEntry", "OPTIMIZERS", "STRATEGIES", "optimizer_class"]
+__all__ = ["OptimizerEntry", "StrategyEntry", "OPTIMIZERS", "DISTRIBUTED", "STRATEGIES", "optimizer_class"]
 
 
 def _resolve(target: str) -> type:
@@ -69,6 +69,20 @@ OPTIMIZERS: dict[str, OptimizerEntry] = {e.name: e for e in (
     OptimizerEntry("onebit_adam", _ONEBIT + "OnebitAdam", onebit=True),
     OptimizerEntry("zero_one_adam", _ONEBIT + "ZeroOneAdam", onebit=True),
     OptimizerEntry("onebit_lamb", _ONEBIT + "OnebitLamb", onebit=True),
+)}
+
+_DIST = "lightning_optim.distributed."
+
+# mlbench-core's distributed optimizers (seed 004): built over a model or params and a process group,
+# they communicate in step(); exported at the top level (lazily), not HF/Hydra ``optimizer`` names.
+DISTRIBUTED: dict[str, OptimizerEntry] = {e.name: e for e in (
+    OptimizerEntry("generic_centralized", _DIST + "GenericCentralizedOptimizer"),
+    OptimizerEntry("centralized_sgd", _DIST + "CentralizedSGD"),
+    OptimizerEntry("centralized_adam", _DIST + "CentralizedAdam"),
+    OptimizerEntry("custom_centralized", _DIST + "CustomCentralizedOptimizer"),
+    OptimizerEntry("centralized_sparsified_sgd", _DIST + "CentralizedSparsifiedSGD"),
+    OptimizerEntry("powersgd", _DIST + "PowerSGD"),
+    OptimizerEntry("decentralized_sgd", _DIST + "DecentralizedSGD"),
 )}
 
 STRATEGIES: dict[str, StrategyEntry] = {e.name: e for e in (

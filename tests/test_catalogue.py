@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import lightning_optim
-from lightning_optim.catalogue import OPTIMIZERS, STRATEGIES, optimizer_class
+from lightning_optim.catalogue import DISTRIBUTED, OPTIMIZERS, STRATEGIES, optimizer_class
 from lightning_optim.onebit import OnebitOptimizer
 
 
@@ -27,11 +27,19 @@ def test_every_optimizer_is_exported_at_the_top_level(name):
     assert optimizer_class(name) is entry.cls
 
 
+@pytest.mark.parametrize("name", sorted(DISTRIBUTED))
+def test_every_distributed_optimizer_is_exported_at_the_top_level(name):
+    entry = DISTRIBUTED[name]
+    assert inspect.isclass(entry.cls) and issubclass(entry.cls, torch.optim.Optimizer)
+    assert getattr(lightning_optim, entry.export) is entry.cls and entry.export in lightning_optim.__all__
+    assert name not in OPTIMIZERS and not entry.onebit
+
+
 def test_no_optimizer_is_exported_outside_the_catalogue():
     exported = {n for n in lightning_optim.__all__ if n not in {e.export for e in STRATEGIES.values()}}
     optimizers = {n for n in exported if inspect.isclass(getattr(lightning_optim, n))
                   and issubclass(getattr(lightning_optim, n), torch.optim.Optimizer)}
-    assert optimizers == {e.export for e in OPTIMIZERS.values()}
+    assert optimizers == {e.export for e in OPTIMIZERS.values()} | {e.export for e in DISTRIBUTED.values()}
 
 
 def test_the_type_checking_imports_name_the_same_classes():
@@ -40,7 +48,7 @@ def test_the_type_checking_imports_name_the_same_classes():
     imported = {(node.module, alias.name) for node in block.body for alias in node.names}
     for module, name in imported:
         assert getattr(importlib.import_module(module), name) is getattr(lightning_optim, name)
-    expected = {e.export for e in OPTIMIZERS.values()} | {e.export for e in STRATEGIES.values()}
+    expected = {e.export for table in (OPTIMIZERS, DISTRIBUTED, STRATEGIES) for e in table.values()}
     assert {name for _, name in imported} == expected
 
 
