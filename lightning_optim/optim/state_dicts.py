@@ -34,6 +34,8 @@ if TYPE_CHECKING:
 __all__ = ["prepare_state_dict"]
 
 _TORCH_ONLY_FLAGS = ("capturable", "differentiable", "fused")
+# defaults that belong to the optimizer, not to a group (BaseOptimizer keeps them out of the groups)
+_OPTIMIZER_WIDE = ("gradient_release",)
 _ALWAYS_ALLOWED = {"step", "kahan_comp"}
 
 
@@ -79,7 +81,8 @@ def prepare_state_dict(opt: BaseOptimizer, state_dict: dict[str, Any]) -> dict[s
                              f"holds {len(group['params'])}")
         merged = {k: v for k, v in saved.items() if k not in _TORCH_ONLY_FLAGS}
         for key, default in opt.defaults.items():
-            merged.setdefault(key, default)
+            if key not in _OPTIMIZER_WIDE:
+                merged.setdefault(key, default)
         try:
             merged.update(opt._validate_group({**merged, "params": group["params"]}))
         except (TypeError, ValueError) as exc:

@@ -56,6 +56,16 @@ def _unchanged(before, opt, params):
     return before[0] == after[0] and all(torch.equal(a, b) for a, b in zip(before[1], after[1]))
 
 
+# ---------------------------------------------------------------- round trip
+@pytest.mark.parametrize("spec", SPECS, ids=str)
+def test_a_reloaded_optimizer_saves_the_same_group_keys(spec):
+    _, _, saved = _trained(spec)
+    fresh = _make(spec, _params(seed=3))
+    fresh.load_state_dict(copy.deepcopy(saved))
+    again = fresh.state_dict()
+    assert [sorted(g) for g in again["param_groups"]] == [sorted(g) for g in saved["param_groups"]]
+
+
 # ---------------------------------------------------------------- dtype rules
 @pytest.mark.parametrize("spec", SPECS, ids=str)
 def test_fp32_state_into_bf16_params_stays_fp32_and_steps(spec):
