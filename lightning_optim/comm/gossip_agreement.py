@@ -1,6 +1,8 @@
 """The bounded agreement on a gossip topology: every rank states what it was given, all ranks see all
-statements in one ``gather_rows``, and either all build the same :class:`Topology` or all raise the
-same clear error (no rank waits for a peer that already gave up).
+statements in one ``gather_rows`` (``comm.agreement.share_rows``), and either all build the same
+:class:`Topology` or all raise the same clear error (no rank waits for a peer that already gave up).
+Unlike ``comm.agreement.agree``, where the rank at fault raises its own error, a rank's problem here
+travels as a code so that every rank raises the very same message.
 
 Each rank's row: ``[problem code, detail, weights code, graph digest, *text, *agree values, *own
 neighbours as a bit set]``. ``text`` carries a short string (a bad name, a type name) so the other
@@ -17,7 +19,7 @@ from dataclasses import replace
 
 import torch.distributed as dist
 
-from .timeouts import gather_rows
+from .agreement import differing, share_rows
 from .topology import (
     WEIGHTS,
     Topology,
@@ -151,15 +153,13 @@ def _verdict(rows: list[tuple[int, ...]], world: int, agree_names: Sequence[str]
     if len(digests) > 1:
         groups = [[r for r, row in enumerate(rows) if row[3] == d] for d in sorted(digests)]
         return TopologyError, f"neighbors: the ranks were given different topologies (ranks grouped by graph: {groups})"
-    for k, name in enumerate(agree_names):
-        values = [row[agree_at + k] for row in rows]
-        if len(set(values)) > 1:
-            if all(abs(v) < 1 << 20 for v in values):  # small values (flags, counts): quote them
-                said = f"by rank: {values}"
-            else:  # digests: say which ranks agree with which
-                groups = [[r for r, v in enumerate(values) if v == u] for u in dict.fromkeys(values)]
-                said = f"ranks grouped by value: {groups}"
-            return TopologyError, f"{name} differs across ranks ({said}); it must be the same on every rank"
+    for name, values in differing(rows, agree_names, start=agree_at):  # the first one that differs
+        if all(abs(v) < 1 << 20 for v in values):  # small values (flags, counts): quote them
+            said = f"by rank: {values}"
+        else:  # digests: say which ranks agree with which
+            groups = [[r for r, v in enumerate(values) if v == u] for u in dict.fromkeys(values)]
+            said = f"ranks grouped by value: {groups}"
+        return TopologyError, f"{name} differs across ranks ({said}); it must be the same on every rank"
     lists = _own_lists(rows, world)
     pair = asymmetric_pair(lists)
     if pair is not None:
@@ -202,7 +202,7 @@ def agree_topology(neighbors: object = None, group=None, *, rank: object = None,
     weights_code = WEIGHTS.index(topology.weights if topology else (weights or "uniform")) if code == _OK else 0
     row = [code, detail, weights_code, topology.fingerprint() if topology else 0, *_encode(text),
            *(int(v) for v in agree.values()), *bits]
-    rows = gather_rows("gossip topology agreement", row, group=group) if world > 1 else [tuple(row)]
+    rows = share_rows("gossip topology agreement", row, group=group)  # bounded; the control device under NCCL
     if code == _REFUSED:
         raise refused[1]  # type: ignore[index]
     verdict = _verdict(rows, world, list(agree))

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_optim.comm.agreement import control_device
 from lightning_optim.comm.stats import comm_stats, ring_allreduce_bytes
 from lightning_optim.comm.timeouts import collective
 
@@ -120,7 +121,7 @@ class AllReduceAggregation:
 
     def _grads_by_layer(self, divisor: float | None) -> None:
         present = [0.0 if p.grad is None else 1.0 for p in self.params]
-        counts = torch.tensor(present, dtype=torch.float32, device=self._control_device())
+        counts = torch.tensor(present, dtype=torch.float32, device=control_device(like=self.params))
         _all_reduce_sum(counts, "all_reduce(grad counts)")
         comm_stats().add_control(ring_allreduce_bytes(counts.numel(), self.world_size, 4))
         for p, count in zip(self.params, counts.tolist()):
@@ -178,9 +179,3 @@ class AllReduceAggregation:
         if p.grad is None:
             p.grad = torch.empty_like(p, memory_format=torch.preserve_format)
         p.grad.copy_(value)
-
-    def _control_device(self) -> torch.device:
-        """Where the small control tensors live: the params' device under NCCL, else the CPU."""
-        if self.params and dist.get_backend() == "nccl":
-            return self.params[0].device
-        return torch.device("cpu")

@@ -1,18 +1,16 @@
-"""Argument checks and the bounded cross-rank agreement of the centralized optimizers.
+"""Argument checks of the centralized optimizers, and their use of the bounded cross-rank agreement.
 
-Each rank checks its own arguments first, without raising; then, when a process group of several
-ranks exists, every rank joins one small ``gather_rows`` (one row of integers per rank: an error
-code and what must match). So a mistake on one rank only (a wrong ``world_size``, another model)
-makes *every* rank raise a clear error instead of leaving the others blocked in the first
-all-reduce. The rank at fault raises its own error; the others name that rank and argument.
+Each rank checks its own arguments first, without raising; then every rank joins one small
+``comm.agreement.agree`` (one row of integers per rank: an error code and what must match). So a
+mistake on one rank only (a wrong ``world_size``, another model) makes *every* rank raise a clear
+error instead of leaving the others blocked in the first all-reduce. The rank at fault raises its
+own error; the others name that rank and argument (one of ``ARGUMENTS``).
 """
 from __future__ import annotations
 
 import math
 import numbers
-import re
 import struct
-import zlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -21,36 +19,21 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.optim.optimizer import required
 
+from lightning_optim.comm.agreement import agree
 from lightning_optim.comm.dense import world_size as group_world_size
-from lightning_optim.comm.timeouts import gather_rows
 from lightning_optim.optim.validation import check_int
 
-__all__ = ["ARGUMENTS", "AVERAGES", "SETUP_FIELDS", "agree", "bits_float", "check_denom", "check_module",
-           "check_required_lr", "check_step_inputs", "check_world_size", "float_bits", "layout_signature",
-           "model_params", "show_setup"]
+__all__ = ["ARGUMENTS", "AVERAGES", "SETUP_FIELDS", "bits_float", "check_denom", "check_module", "check_required_lr",
+           "check_step_inputs", "check_then_agree", "check_world_size", "float_bits", "model_params", "show_setup"]
 
 # Every argument a centralized optimizer takes: an error's code is 1 + its index here.
 ARGUMENTS = ("world_size", "model", "optimizer", "use_cuda", "by_layer", "divide_before", "agg_grad", "grad_clip",
              "average_world", "average_custom", "lr", "momentum", "dampening", "weight_decay", "nesterov", "betas",
              "eps", "amsgrad", "params", "denom")
-_OTHER = len(ARGUMENTS) + 1
 # What every rank must agree on at construction, and the divisor choices (by index in that row).
 SETUP_FIELDS = ("param count", "param elements", "param shapes", "param dtypes", "by_layer", "divide_before",
                 "agg_grad", "average", "grad_clip")
 AVERAGES = ("world", "custom", "sum")
-
-
-def error_code(exc: BaseException | None) -> int:
-    """0 for no error, else the code of the argument the message starts with (see ``ARGUMENTS``)."""
-    if exc is None:
-        return 0
-    word = re.match(r"[A-Za-z_]\w*", str(exc))
-    name = word.group(0) if word else ""
-    return ARGUMENTS.index(name) + 1 if name in ARGUMENTS else _OTHER
-
-
-def code_name(code: int) -> str:
-    return ARGUMENTS[code - 1] if 0 < code <= len(ARGUMENTS) else "an argument"
 
 
 def float_bits(value: float) -> int:
@@ -98,13 +81,6 @@ def model_params(model: object, optimizer: object) -> list[Tensor]:
         raise ValueError("optimizer: under gradient release the local step runs inside backward, before any "
                          "aggregation; use it without prepare_for_gradient_release")
     return params
-
-
-def layout_signature(params: Sequence[Tensor]) -> tuple[int, int, int, int]:
-    """(count, elements, checksum of the shapes, checksum of the dtypes)."""
-    shapes = zlib.crc32(repr([tuple(p.shape) for p in params]).encode())
-    dtypes = zlib.crc32(repr([str(p.dtype) for p in params]).encode())
-    return len(params), sum(p.numel() for p in params), shapes, dtypes
 
 
 def check_denom(denom: object) -> float:
@@ -158,34 +134,15 @@ def check_step_inputs(closure: object, tracker: object) -> None:
                         f"record_batch_opt_step()), got {type(tracker).__name__}")
 
 
-def agree(who: str, local: Callable[[], tuple[Any, tuple[int, ...]]], fields: Sequence[str],
-          show: Callable[[str, int], str] = lambda name, value: str(value)) -> Any:
-    """Run ``local()`` (it returns ``(result, row)`` or raises), then make every rank agree.
-
-    ``row`` holds what must be equal on every rank, named by ``fields``. With several ranks one
-    bounded ``gather_rows`` compares the rows: an error on any rank, or rows that differ, raise on
-    every rank (``show(field, value)`` renders a differing value in that message). Returns ``result``."""
-    error, result, row = None, None, (0,) * len(fields)
+def check_then_agree(who: str, local: Callable[[], tuple[Any, tuple[int, ...]]], fields: Sequence[str],
+                     show: Callable[[str, int], str] | None = None) -> Any:
+    """Run ``local()`` (it returns ``(result, row)`` or raises), then ``agree`` across ranks on ``row``
+    (named by ``fields``; ``show`` renders a differing value): an error on any rank, or rows that
+    differ, raise on every rank. Returns ``result``."""
+    error, result, row = None, None, None
     try:
         result, row = local()
-    except Exception as exc:  # noqa: BLE001 - reported to every rank below, then raised here
+    except Exception as exc:  # noqa: BLE001 - reported to every rank by agree, then raised here
         error = exc
-    if group_world_size() > 1:
-        device = None
-        if dist.get_backend() == "nccl":
-            device = torch.device("cuda", torch.cuda.current_device())
-        rows = gather_rows(f"all_gather({who} agreement)", (error_code(error), *row), device=device)
-        bad = [(r, row[0]) for r, row in enumerate(rows) if row[0]]
-        if bad and error is None:
-            named = ", ".join(f"rank {r}: {code_name(code)}" for r, code in bad)
-            raise ValueError(f"{who}: another rank refused its input ({named}); every rank stops here "
-                             "(that rank's own error says why)")
-        if error is None and len({r[1:] for r in rows}) > 1:
-            differ = [(i, name) for i, name in enumerate(fields, start=1) if len({r[i] for r in rows}) > 1]
-            values = "; ".join(f"rank {rank}: " + ", ".join(f"{name} {show(name, row[i])}" for i, name in differ)
-                               for rank, row in enumerate(rows))
-            raise ValueError(f"{who}: every rank must give the same {', '.join(fields)}; these differ across "
-                             f"ranks: {', '.join(name for _, name in differ)} ({values})")
-    if error is not None:
-        raise error
+    agree(who, fields, row, error=error, arguments=ARGUMENTS, show=show)
     return result

@@ -48,19 +48,19 @@ from typing import Any
 import torch
 from torch.optim.optimizer import required
 
+from lightning_optim.comm.agreement import layout_signature
 from lightning_optim.distributed.aggregation import AllReduceAggregation
 from lightning_optim.distributed.agreement import (
     AVERAGES,
     SETUP_FIELDS,
-    agree,
     bits_float,
     check_denom,
     check_module,
     check_required_lr,
     check_step_inputs,
+    check_then_agree,
     check_world_size,
     float_bits,
-    layout_signature,
     model_params,
     show_setup,
 )
@@ -120,7 +120,7 @@ class GenericCentralizedOptimizer(torch.optim.Optimizer):
                    float_bits(float(grad_clip)))  # checks() made sure it is a number
             return (world, optimizer, params), row
 
-        world, optimizer, params = agree(who, local, SETUP_FIELDS, show=show_setup)
+        world, optimizer, params = check_then_agree(who, local, SETUP_FIELDS, show=show_setup)
         # from here on every argument passed on every rank: take them
         for hooks in ("step_pre", "step_post", "state_dict_pre", "state_dict_post", "load_state_dict_pre",
                       "load_state_dict_post"):
@@ -221,7 +221,8 @@ class GenericCentralizedOptimizer(torch.optim.Optimizer):
             return value, (float_bits(value),)
 
         # a per-step input that must match: one small bounded all_gather (mlbench uses it as given)
-        return agree(f"{type(self).__name__}.step", local, ("denom",), show=lambda _, bits: repr(bits_float(bits)))
+        return check_then_agree(f"{type(self).__name__}.step", local, ("denom",),
+                                show=lambda _, bits: repr(bits_float(bits)))
 
 
 class CentralizedSGD(GenericCentralizedOptimizer):

@@ -1,10 +1,10 @@
 """What the compressed mlbench optimizers (``CentralizedSparsifiedSGD``, ``PowerSGD``) share: the
-``world_size`` check, the params that take part, and their bounded cross-rank agreement.
+``world_size`` check, the params that take part, and the layout fields of their bounded cross-rank agreement.
 
 Every param with ``requires_grad=True`` takes part in every step, in param-group order; a param without
 a gradient on this rank counts as a zero gradient (its peers may have one, as under DDP), so every rank
 runs the same collectives. Each optimizer checks its arguments on every rank at construction and its
-layout at every step with one small bounded all-gather (``comm.compressors.agree``): a refusal or a
+layout at every step with one small bounded all-gather (``comm.agreement.agree``): a refusal or a
 difference on one rank stops every rank with a clear error.
 """
 from __future__ import annotations
@@ -16,11 +16,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_optim.comm.compressors import agree, control_device, fingerprint
+from lightning_optim.comm.agreement import fingerprint, layout_signature
 from lightning_optim.comm.dense import world_size as group_world_size
 from lightning_optim.optim.validation import check_int
 
-__all__ = ["check_world_size", "trainable", "grads_or_zeros", "layout_fields", "agree_fields"]
+__all__ = ["check_world_size", "trainable", "grads_or_zeros", "layout_fields"]
 
 
 def check_world_size(world_size: object, group: Any) -> int:
@@ -44,13 +44,5 @@ def grads_or_zeros(params: Sequence[Tensor]) -> list[Tensor]:
 
 def layout_fields(params: Sequence[Tensor]) -> dict[str, int]:
     return {"params": len(params), "elements": sum(p.numel() for p in params),
-            "shapes": fingerprint((tuple(p.shape), str(p.dtype)) for p in params)}
+            "shapes": fingerprint(layout_signature(params))}
 
-
-def agree_fields(what: str, names: Sequence[str], fields: Mapping[str, int] | None, *, group: Any,
-                 params: Sequence[Tensor] = (), error: BaseException | None = None,
-                 arguments: Sequence[str] = ()) -> None:
-    """``agree`` with a fixed row (``names``): a rank with ``error`` sends zeros in the same places."""
-    values = {name: 0 for name in names} if error is not None or fields is None else {n: fields[n] for n in names}
-    device = control_device(group, params) if group_world_size(group) > 1 else torch.device("cpu")
-    agree(what, values, group=group, device=device, error=error, arguments=arguments)

@@ -48,7 +48,6 @@ continues bitwise as if never interrupted. Recipe::
 from __future__ import annotations
 
 import copy
-import hashlib
 from collections.abc import Callable
 from typing import Any
 
@@ -57,8 +56,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim.optimizer import required
 
+from lightning_optim.comm.agreement import fingerprint, layout_signature, share_rows
 from lightning_optim.comm.gossip import Topology, agree_topology, gossip_average
-from lightning_optim.comm.timeouts import gather_rows
 from lightning_optim.optim.sgd import SGD
 from lightning_optim.optim.validation import check_flag, check_non_negative, check_unit_interval
 
@@ -112,12 +111,6 @@ def _check_arguments(model, lr, momentum, dampening, weight_decay, nesterov, ave
     return None
 
 
-def _layout_digest(params: list[torch.Tensor]) -> int:
-    """62 bits naming the params' count, shapes and dtypes (the exchange needs them equal on every rank)."""
-    text = repr([(tuple(p.shape), str(p.dtype)) for p in params]).encode()
-    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") >> 2
-
-
 class DecentralizedSGD(SGD):
     """Decentralized SGD with mlbench-core's constructor (see the module docstring for the equations).
 
@@ -145,7 +138,7 @@ class DecentralizedSGD(SGD):
             raise refused[1]
         params = [] if refused is not None else list(model.parameters())  # type: ignore[union-attr]
         agree = {"by_layer": int(bool(by_layer)) if refused is None else 0,
-                 "the model's parameter layout (count, shapes, dtypes)": _layout_digest(params)}
+                 "the model's parameter layout (count, shapes, dtypes)": fingerprint(layout_signature(params))}
         self.topology: Topology = agree_topology(neighbors, rank=rank, agree=agree, refused=refused)
         super().__init__(params, lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                          nesterov=nesterov)
@@ -200,13 +193,11 @@ class DecentralizedSGD(SGD):
             self._check_rank_state(state)
         except (TypeError, ValueError) as exc:
             problem = exc
-        world = self.topology.world_size
-        if world > 1:
-            rows = gather_rows("DecentralizedSGD.load_rank_state_dict", [int(problem is not None)])
-            failed = [r for r, (bad,) in enumerate(rows) if bad]
-            if problem is None and failed:
-                raise ValueError(f"load_rank_state_dict: rank(s) {failed} refused their state (their own errors say "
-                                 f"why); no rank loaded anything")
+        rows = share_rows("DecentralizedSGD.load_rank_state_dict", [int(problem is not None)], like=self._gossip_params)
+        failed = [r for r, (bad,) in enumerate(rows) if bad]
+        if problem is None and failed:
+            raise ValueError(f"load_rank_state_dict: rank(s) {failed} refused their state (their own errors say why); "
+                             "no rank loaded anything")
         if problem is not None:
             raise problem
         self.load_state_dict(state["optimizer"])

@@ -46,12 +46,13 @@ import torch
 from torch import Tensor, nn
 from torch.optim.optimizer import required
 
+from lightning_optim.comm.agreement import agree
 from lightning_optim.comm.compressors import PowerSGDCompressor
 from lightning_optim.comm.timeouts import check_process_group
 from lightning_optim.optim.validation import check_flag, check_non_negative, check_unit_interval
 
 from .communicating import CommunicatingOptimizer
-from .compressed_checks import agree_fields, check_world_size, grads_or_zeros, layout_fields, trainable
+from .compressed_checks import check_world_size, grads_or_zeros, layout_fields, trainable
 
 __all__ = ["PowerSGD"]
 
@@ -123,9 +124,8 @@ class PowerSGD(CommunicatingOptimizer, torch.optim.SGD):
                              weight_decay=float(weight_decay), nesterov=nesterov)
         except (TypeError, ValueError) as exc:
             error = exc
-        agree_fields(type(self).__name__, _SETTINGS + _LAYOUT, None if error else self._fields(),
-                     group=process_group, params=[] if error else trainable(self.param_groups), error=error,
-                     arguments=ARGUMENTS)
+        agree(type(self).__name__, _SETTINGS + _LAYOUT, None if error else self._fields(), group=process_group,
+              like=[] if error else trainable(self.param_groups), error=error, arguments=ARGUMENTS)
 
     def _fields(self) -> dict[str, int]:
         c = self.compressor
@@ -147,7 +147,7 @@ class PowerSGD(CommunicatingOptimizer, torch.optim.SGD):
 
     def _aggregate(self) -> None:
         params = trainable(self.param_groups)
-        agree_fields(type(self).__name__, _LAYOUT, layout_fields(params), group=self.process_group, params=params)
+        agree(type(self).__name__, _LAYOUT, layout_fields(params), group=self.process_group, like=params)
         grads = grads_or_zeros(params)
         memories = []
         for p in params:

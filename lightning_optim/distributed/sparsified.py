@@ -44,14 +44,15 @@ import torch
 from torch import Tensor
 from torch.optim.optimizer import required
 
-from lightning_optim.comm.compressors import SparsePayload, fingerprint, gather_sparse
+from lightning_optim.comm.agreement import agree, fingerprint
+from lightning_optim.comm.compressors import SparsePayload, gather_sparse
 from lightning_optim.comm.timeouts import check_process_group
 from lightning_optim.optim.base import Batch, ParamsT
 from lightning_optim.optim.sparsified_sgd import SparsifiedSGD
 from lightning_optim.optim.validation import check_flag
 
 from .communicating import CommunicatingOptimizer
-from .compressed_checks import agree_fields, check_world_size, grads_or_zeros, layout_fields, trainable
+from .compressed_checks import check_world_size, grads_or_zeros, layout_fields, trainable
 
 __all__ = ["CentralizedSparsifiedSGD"]
 
@@ -95,8 +96,8 @@ class CentralizedSparsifiedSGD(CommunicatingOptimizer, SparsifiedSGD):
                              generator=generator)
         except (TypeError, ValueError) as exc:
             error = exc
-        agree_fields(type(self).__name__, _FIELDS, None if error else self._fields(), group=process_group,
-                     params=[] if error else trainable(self.param_groups), error=error, arguments=ARGUMENTS)
+        agree(type(self).__name__, _FIELDS, None if error else self._fields(), group=process_group,
+              like=[] if error else trainable(self.param_groups), error=error, arguments=ARGUMENTS)
 
     # ------------------------------------------------------------------ checks
     def _check_group(self, group: dict[str, Any]) -> None:
@@ -142,8 +143,8 @@ class CentralizedSparsifiedSGD(CommunicatingOptimizer, SparsifiedSGD):
                 self._validate_group(group)
         except (TypeError, ValueError) as exc:
             error = exc
-        agree_fields(type(self).__name__, _FIELDS, None if error else self._fields(), group=self.process_group,
-                     params=trainable(self.param_groups), error=error, arguments=ARGUMENTS)
+        agree(type(self).__name__, _FIELDS, None if error else self._fields(), group=self.process_group,
+              like=trainable(self.param_groups), error=error, arguments=ARGUMENTS)
 
     def _select(self, group: dict[str, Any], p: Tensor, flat: Tensor, k: int) -> Tensor | slice:
         # SparsifiedSGD picks the positions; _apply below, called next for the same param, sends them

@@ -12,12 +12,13 @@ comm hooks (one bucket tensor), on any torch.distributed backend.
 * :class:`TopK`, :class:`RandomK`, :class:`Blockwise` (``sparse.py``); :func:`gather_sparse`.
 * :class:`ScaledSign` (``sign.py``): EF-SignSGD's scaled sign; ``majority_vote=True``: signSGD's vote.
 * :class:`PowerSGDCompressor`, :func:`orthogonalize_` (``powersgd.py``).
-* :func:`agree` (``agreement.py``): every rank raises, or none does.
+* :func:`agree`, :func:`fingerprint`, :func:`control_device`: re-exported from ``comm/agreement.py``
+  (every rank raises, or none does).
 
 Bytes: every collective adds what this rank sends to ``comm_stats()`` (rule in ``comm/stats.py``);
 equations, bytes per step and when to use which: docs/distributed_compressors.md.
 """
-from .agreement import agree, control_device, fingerprint
+from ..agreement import agree, control_device, fingerprint
 from .base import Compressor, LocalCompressor
 from .feedback import ErrorFeedback, absorb_, compensate
 from .powersgd import PowerSGDCompressor, orthogonalize_

@@ -33,10 +33,9 @@ from torch import Tensor
 
 from lightning_optim.optim.validation import check_flag
 
-from ..dense import world_size
+from ..agreement import agree, fingerprint, layout_signature
 from ..stats import CommStats, comm_stats
 from ..timeouts import check_process_group
-from .agreement import agree, control_device, fingerprint
 from .feedback import absorb_, compensate
 
 __all__ = ["Compressor", "LocalCompressor", "agree_layout", "check_reduce_args", "group_rank", "stats_or_default"]
@@ -107,7 +106,7 @@ class LocalCompressor(Compressor):
     def agreement_fields(self, tensors: Sequence[Tensor]) -> dict[str, int]:
         """What every rank's call must match (same names on every rank of the same configuration)."""
         return {"tensors": len(tensors), "elements": sum(t.numel() for t in tensors),
-                "layout": fingerprint((tuple(t.shape), str(t.dtype)) for t in tensors)}
+                "layout": fingerprint(layout_signature(tensors))}
 
     @abstractmethod
     def compress(self, flat: Tensor) -> Any:
@@ -154,7 +153,7 @@ def stats_or_default(stats: CommStats | None) -> CommStats:
 
 def agree_layout(owner: object, fields: dict[str, int], group, like: Sequence[Tensor],
                  error: BaseException | None = None) -> None:
-    """The bounded agreement (``agreement.agree``) of ``owner``'s call: always when this rank refused the
+    """The bounded agreement (``comm.agreement.agree``) of ``owner``'s call: always when this rank refused the
     call (``error``: sent as zeros in place of ``fields``, then raised on every rank), else once per
     layout this rank has not seen.
 
@@ -162,14 +161,10 @@ def agree_layout(owner: object, fields: dict[str, int], group, like: Sequence[Te
     layout raises on every rank instead of exchanging mismatched buffers. A rank that changes alone
     later meets its peers' next collective instead, and fails within ``collective_timeout()``.
     """
-    if world_size(group) == 1:
-        if error is not None:
-            raise error
-        return
     seen = owner.__dict__.setdefault("_agreed_layouts", set())
     key = (id(group), tuple(fields.items()))
     if error is None and key in seen:
         return
-    agree(type(owner).__name__, fields, group=group, device=control_device(group, like), error=error,
+    agree(type(owner).__name__, tuple(fields), fields, group=group, like=like, error=error,
           arguments=("k", "tensors", "residuals", "keys"))
     seen.add(key)

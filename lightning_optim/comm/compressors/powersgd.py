@@ -38,10 +38,10 @@ from torch import Tensor
 
 from lightning_optim.optim.validation import check_flag, check_int
 
+from ..agreement import fingerprint
 from ..dense import world_size
 from ..stats import CommStats, ring_allreduce_bytes
 from ..timeouts import collective
-from .agreement import fingerprint
 from .base import Compressor, agree_layout, check_reduce_args, stats_or_default
 from .feedback import absorb_, compensate
 
