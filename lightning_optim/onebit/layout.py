@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import numbers
-import zlib
 from typing import Any
 
 import torch
 from torch import Tensor
+
+from lightning_optim.comm.agreement import layout_signature
 
 
 class Layout:
@@ -43,9 +44,7 @@ class Layout:
         """(param count, elements, checksum of the shapes, checksum of the dtypes): what every rank
         must agree on; computed once per layout (the per-step agreement sends it)."""
         if self._signature is None:
-            shapes = zlib.crc32(repr([tuple(p.shape) for p in self.params]).encode())
-            dtypes = zlib.crc32(repr([str(p.dtype) for p in self.params]).encode())
-            self._signature = (len(self.params), self.numel, shapes, dtypes)
+            self._signature = layout_signature(self.params)
         return self._signature
 
 
