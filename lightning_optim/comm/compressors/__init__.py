@@ -12,6 +12,8 @@ comm hooks (one bucket tensor), on any torch.distributed backend.
 * :class:`TopK`, :class:`RandomK`, :class:`Blockwise` (``sparse.py``); :func:`gather_sparse`.
 * :class:`ScaledSign` (``sign.py``): EF-SignSGD's scaled sign; ``majority_vote=True``: signSGD's vote.
 * :class:`PowerSGDCompressor`, :func:`orthogonalize_` (``powersgd.py``).
+* :class:`OnebitCompressor` (``onebit.py``): DeepSpeed's error-compensated 1-bit averaging (the 1-bit
+  optimizers' compressor; it keeps its worker/server error buffers itself).
 * :func:`agree`, :func:`fingerprint`, :func:`control_device`: re-exported from ``comm/agreement.py``
   (every rank raises, or none does).
 
@@ -21,6 +23,7 @@ equations, bytes per step and when to use which: docs/distributed_compressors.md
 from ..agreement import agree, control_device, fingerprint
 from .base import Compressor, LocalCompressor
 from .feedback import ErrorFeedback, absorb_, compensate
+from .onebit import OnebitCompressor
 from .powersgd import PowerSGDCompressor, orthogonalize_
 from .sign import ScaledSign, SignPayload
 from .sparse import Blockwise, RandomK, SparsePayload, Sparsifier, TopK, gather_sparse
@@ -40,6 +43,7 @@ __all__ = [
     "ScaledSign",
     "SignPayload",
     "PowerSGDCompressor",
+    "OnebitCompressor",
     "orthogonalize_",
     "agree",
     "control_device",
