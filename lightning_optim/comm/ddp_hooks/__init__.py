@@ -1,0 +1,86 @@
+"""DDP communication hooks by name, framework-free, on any device and backend (gloo on CPU too):
+
+    from lightning_optim.comm.ddp_hooks import register_comm_hook
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    state = register_comm_hook(ddp, "topk", ratio=0.01)          # before the first backward
+    ...
+    torch.save(state.state_dict(), f"hook.rank{dist.get_rank()}.pt")   # per rank: residuals differ
+
+=================  ==========================  ===============================================
+name               state (arguments)           per bucket
+=================  ==========================  ===============================================
+``"topk"``         ``TopKHookState``           top-k of each param, error feedback, all-gather
+``"randomk"``      ``RandomKHookState``        random-k, error feedback, all-reduce/all-gather
+``"signsgd"``      ``SignSGDHookState``        scaled sign (EF-SignSGD) or majority vote
+``"powersgd"``     ``PowerSGDHookState``       torch's ``powerSGD_hook`` (counted, layout-safe)
+``"decentralized"`` ``DecentralizedHookState``  nothing: local gradients; gossip after the step
+=================  ==========================  ===============================================
+
+Every state keeps its per-rank state by param name (DDP rebuilds its buckets after the first
+iteration), counts the bytes it sends in ``comm_stats()`` (or ``stats=``), bounds every collective
+by ``collective_timeout()`` and saves per rank with ``state_dict()`` / ``load_state_dict()``.
+``"decentralized"`` needs ``state.after_step(ddp.module.parameters())`` after each optimizer step.
+Equations and bytes: each module's docstring; docs/distributed_strategies.md.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from torch import nn
+
+from ._bucket import HookState, ParamNames
+from .compressed import CompressionHookState, RandomKHookState, SignSGDHookState, TopKHookState, compression_hook
+from .decentralized import DecentralizedHookState, local_gradient_hook
+from .powersgd import PowerSGDHookState, powersgd_hook
+
+__all__ = [
+    "HOOKS",
+    "HookState",
+    "ParamNames",
+    "CompressionHookState",
+    "TopKHookState",
+    "RandomKHookState",
+    "SignSGDHookState",
+    "PowerSGDHookState",
+    "DecentralizedHookState",
+    "compression_hook",
+    "powersgd_hook",
+    "local_gradient_hook",
+    "make_state",
+    "register_comm_hook",
+]
+
+# name -> (state class, hook)
+HOOKS: dict[str, tuple[type[HookState], Callable]] = {
+    "topk": (TopKHookState, compression_hook),
+    "randomk": (RandomKHookState, compression_hook),
+    "signsgd": (SignSGDHookState, compression_hook),
+    "powersgd": (PowerSGDHookState, powersgd_hook),
+    "decentralized": (DecentralizedHookState, local_gradient_hook),
+}
+
+
+def make_state(name: str, **kwargs: Any) -> HookState:
+    """The state of hook ``name`` (arguments checked; nothing collective happens)."""
+    if name not in HOOKS:
+        raise ValueError(f"hook name must be one of {sorted(HOOKS)}, got {name!r}")
+    return HOOKS[name][0](**kwargs)
+
+
+def register_comm_hook(ddp_model: nn.Module, name: str | HookState, **kwargs: Any) -> HookState:
+    """Register hook ``name`` (or the hook of a ready ``HookState``) on ``ddp_model``; return its state.
+
+    Collective for ``"decentralized"`` (the ranks agree on the topology). torch allows one comm hook
+    per model, registered before the first backward.
+    """
+    if not isinstance(ddp_model, nn.parallel.DistributedDataParallel):
+        raise TypeError(f"ddp_model must be a torch.nn.parallel.DistributedDataParallel, got {type(ddp_model).__name__}")
+    if isinstance(name, HookState):
+        if kwargs:
+            raise TypeError("pass either a ready state or a name with its arguments, not both")
+        state = name
+    else:
+        state = make_state(name, **kwargs)
+    state.attach(ddp_model)
+    ddp_model.register_comm_hook(state, HOOKS[state.hook_name][1])
+    return state
