@@ -13,6 +13,7 @@ other ranks in the same run directory; only rank 0 writes the outputs.
 
 from __future__ import annotations
 
+import statistics
 import sys
 import time
 import warnings
@@ -38,17 +39,21 @@ CONFIG_NAME = "train"
 
 
 class ThroughputMeter(L.Callback):
-    """Sums the wall time of training batches (forward, backward, optimizer step), not validation."""
+    """The wall time of each training batch (forward, backward, optimizer step), not validation."""
 
     def __init__(self) -> None:
-        self.seconds = 0.0
+        self.step_seconds: list[float] = []
         self._batch_start = 0.0
+
+    @property
+    def seconds(self) -> float:
+        return sum(self.step_seconds)
 
     def on_train_batch_start(self, *args: Any) -> None:
         self._batch_start = time.perf_counter()
 
     def on_train_batch_end(self, *args: Any) -> None:
-        self.seconds += time.perf_counter() - self._batch_start
+        self.step_seconds.append(time.perf_counter() - self._batch_start)
 
 
 def lightning_arg(option: dict[str, Any]) -> Any:
@@ -124,6 +129,7 @@ def run(config: DictConfig, output_dir: Path) -> dict[str, Any]:
         "steps": trainer.global_step,
         "tokens": model.tokens_seen,
         "train_tokens_per_sec": model.tokens_seen / max(meter.seconds, 1e-9),
+        "median_step_s": statistics.median(meter.step_seconds) if meter.step_seconds else None,
         "wall_time_s": time.perf_counter() - start,
         "num_params": sum(p.numel() for p in model.parameters()),
         "world_size": trainer.world_size,

@@ -1,0 +1,203 @@
+"""Compressors side by side on the main job: bytes, step time and loss, 2 ranks on a shaped link.
+
+Every configuration runs the main job (``lightning_optim.train.run`` on a config composed by Hydra, as
+``python -m lightning_optim.train <overrides>`` would) on 2 gloo ranks with the same model, data, seed,
+optimizer (AdamW) and step budget; only the strategy changes:
+
+    fp32 DDP, torch's fp16 compression hook, PowerSGD rank 1 and 4 (torch's hook), top-k 1%, EF-sign,
+    1-bit Adam, 0/1 Adam, decentralized ring
+
+Per configuration: the payload bytes per rank our collectives counted (``comm_stats()``: plain DDP's own
+allreduce is not counted there), the bytes each veth end carried (``--netns``: the kernel's tx counters,
+TCP/IP framing and setup included), the slower rank's median step time, the final validation loss, and
+the time to reach fp32 DDP's final loss within 2% (first validation step at or under it x median step
+time; "-" when never reached).
+
+    python benchmarks/compressors.py --netns           # 2 network namespaces on a veth shaped to --rate
+                                                       # (1gbit, tc tbf; root + iproute2, else a note)
+    python benchmarks/compressors.py                   # loopback 127.0.0.1
+Options: --steps 300 --only name,name --rate 1gbit --threads 1 --out DIR (per-run outputs and results.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
+from comm import NETNS_ADDRS, NetnsUnavailable, _free_port, machine_facts, netns_pair  # noqa: E402
+
+
+def configs(steps: int) -> dict[str, list[str]]:
+    """Label -> the main job's strategy overrides."""
+    freeze = max(1, steps // 4)
+    return {
+        "fp32 DDP": ["strategy=ddp_counted"],
+        "fp16 hook": ["strategy=fp16"],
+        "PowerSGD r1": ["strategy=powersgd", "strategy.matrix_approximation_rank=1"],
+        "PowerSGD r4": ["strategy=powersgd", "strategy.matrix_approximation_rank=4"],
+        "top-k 1%": ["strategy=topk", "strategy.ratio=0.01"],
+        "EF-sign": ["strategy=signsgd"],
+        "1-bit Adam": ["strategy=onebit_adam", f"strategy.freeze_step={freeze}"],
+        "0/1 Adam": ["strategy=zero_one_adam", f"strategy.var_freeze_step={freeze}"],
+        "decentralized ring": ["strategy=decentralized", "strategy.topology=ring"],
+    }
+
+
+def common_overrides(steps: int) -> list[str]:
+    return [f"trainer.max_steps={steps}", f"trainer.val_check_interval={max(1, steps // 6)}",
+            "trainer.enable_progress_bar=false", "trainer.enable_checkpointing=false", "trainer.devices=2",
+            "trainer.accelerator=cpu", "trainer.log_every_n_steps=10"]
+
+
+# ----------------------------------------------------------------------------- rank side
+def worker(args) -> None:
+    import warnings
+
+    import torch
+    from hydra import compose, initialize_config_dir
+
+    from lightning_optim.comm import comm_stats
+    from lightning_optim.conf_dir import conf_dir
+    from lightning_optim.train import run
+
+    warnings.filterwarnings("ignore")
+    os.environ.update(LOCAL_RANK=str(args.rank), NODE_RANK="0", WORLD_SIZE="2", MASTER_ADDR=args.addr,
+                      MASTER_PORT=str(args.port), OMP_NUM_THREADS=str(args.threads))
+    torch.set_num_threads(args.threads)
+    with initialize_config_dir(str(conf_dir()), version_base="1.3"):
+        cfg = compose("train", overrides=common_overrides(args.steps) + json.loads(args.overrides))
+    before = comm_stats().copy()
+    summary = run(cfg, Path(args.run_dir))
+    sent = comm_stats() - before
+    result = {"median_step_s": summary["median_step_s"], "final_val_loss": summary["final_val_loss"],
+              "steps": summary["steps"], "payload_bytes": sent.bytes_sent, "fp32_bytes": sent.fp32_equivalent_bytes,
+              "num_params": summary["num_params"], "wall_time_s": summary["wall_time_s"]}
+    Path(args.run_dir, f"rank{args.rank}.json").write_text(json.dumps(result))
+
+
+# ----------------------------------------------------------------------------- parent side
+def _tx_bytes(prefix, dev) -> int | None:
+    if prefix is None:
+        return None
+    out = subprocess.run([*prefix, "cat", f"/sys/class/net/{dev}/statistics/tx_bytes"], capture_output=True, text=True)
+    return int(out.stdout) if out.returncode == 0 else None
+
+
+def _launch(args, label: str, overrides: list[str], addr: str, prefixes, envs, run_dir: Path, port: int) -> dict:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    devs = [(env or {}).get("GLOO_SOCKET_IFNAME") for env in envs]
+    tx_before = [_tx_bytes(p, d) for p, d in zip(prefixes, devs)]
+    procs = []
+    for rank in range(2):
+        cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--rank", str(rank), "--addr", addr,
+               "--port", str(port), "--steps", str(args.steps), "--threads", str(args.threads),
+               "--run-dir", str(run_dir), "--overrides", json.dumps(overrides)]
+        if prefixes[rank]:
+            cmd = list(prefixes[rank]) + cmd
+        procs.append(subprocess.Popen(cmd, cwd=run_dir, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                      env=dict(os.environ, **(envs[rank] or {}))))
+    errors = [p.communicate()[1] for p in procs]
+    if any(p.returncode for p in procs):
+        tail = next(e for p, e in zip(procs, errors) if p.returncode)[-3000:]
+        raise SystemExit(f"{label}: ranks failed ({[p.returncode for p in procs]}):\n{tail}")
+    tx_after = [_tx_bytes(p, d) for p, d in zip(prefixes, devs)]
+    ranks = [json.loads((run_dir / f"rank{r}.json").read_text()) for r in range(2)]
+    wire = [a - b for a, b in zip(tx_after, tx_before)] if None not in tx_before + tx_after else None
+    return {"label": label, "overrides": overrides, "ranks": ranks, "wire_bytes": wire,
+            "val_curve": _val_curve(run_dir / "metrics.csv")}
+
+
+def _val_curve(path: Path) -> list[tuple[int, float]]:
+    with open(path, newline="") as f:
+        return [(int(row["step"]), float(row["val_loss"])) for row in csv.DictReader(f) if row.get("val_loss")]
+
+
+def report(args, results: list[dict], where: str) -> dict:
+    facts = machine_facts()
+    base = next((r for r in results if r["label"] == "fp32 DDP"), None)
+    target = base["ranks"][0]["final_val_loss"] * 1.02 if base else None
+    print(f"# compressors on the main job ({where}); {args.steps} steps, 2 ranks, {args.threads} thread(s) each,"
+          f" {results[0]['ranks'][0]['num_params'] / 1e6:.2f}M params")
+    print(f"machine: {facts['cpu']}, {facts['cores']} cores, torch {facts['torch']}, python {facts['python']};"
+          f" load average at the end: {facts['loadavg_1_5_15min']}")
+    print("| strategy | payload MB/rank (comm_stats) | wire MB/rank (veth) | median step ms | final val loss "
+          "| vs fp32 DDP | time to fp32 loss +2% |")
+    print("|---|---|---|---|---|---|---|")
+    rows = []
+    for r in results:
+        step_s = max(rank["median_step_s"] for rank in r["ranks"])
+        payload = max(rank["payload_bytes"] for rank in r["ranks"]) / 1e6
+        wire = max(r["wire_bytes"]) / 1e6 if r["wire_bytes"] else None
+        loss = r["ranks"][0]["final_val_loss"]
+        reached = next((step for step, v in r["val_curve"] if target is not None and v <= target), None)
+        to_loss = None if reached is None else reached * step_s
+        rel = (loss / base["ranks"][0]["final_val_loss"] - 1) * 100 if base else None
+        rows.append({"label": r["label"], "payload_mb": payload, "wire_mb": wire, "median_step_ms": step_s * 1e3,
+                     "final_val_loss": loss, "vs_fp32_pct": rel, "time_to_loss_s": to_loss,
+                     "overrides": r["overrides"]})
+        print(f"| {r['label']} | {payload:.1f} | {'-' if wire is None else f'{wire:.1f}'} | {step_s * 1e3:.1f} "
+              f"| {loss:.4f} | {'-' if rel is None else f'{rel:+.2f}%'} | "
+              f"{'-' if to_loss is None else f'{to_loss:.1f} s (step {reached})'} |")
+    out = {"where": where, "steps": args.steps, "machine": facts, "rows": rows}
+    print("JSON " + json.dumps(out))
+    return out
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--only", default="", help="comma-separated labels (default: all)")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--netns", action="store_true")
+    p.add_argument("--rate", default="1gbit")
+    p.add_argument("--out", default="")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--addr", default="127.0.0.1", help=argparse.SUPPRESS)
+    p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--run-dir", default="", help=argparse.SUPPRESS)
+    p.add_argument("--overrides", default="[]", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        worker(args)
+        return
+    chosen = configs(args.steps)
+    if args.only:
+        wanted = [name.strip() for name in args.only.split(",")]
+        unknown = [w for w in wanted if w not in chosen]
+        if unknown:
+            p.error(f"--only: unknown {unknown}; choose from {list(chosen)}")
+        chosen = {k: v for k, v in chosen.items() if k in wanted}
+    out_dir = Path(args.out or tempfile.mkdtemp(prefix="compressors_"))
+
+    def run_all(addr, prefixes, envs, where):
+        results = []
+        for i, (label, overrides) in enumerate(chosen.items()):
+            start = time.perf_counter()
+            port = _free_port() if prefixes[0] is None else 29521 + i  # a fresh port per run (no TIME_WAIT clash)
+            results.append(_launch(args, label, overrides, addr, prefixes, envs,
+                                   out_dir / label.replace(" ", "_").replace("%", "pct").replace("/", "_"), port))
+            print(f"# {label}: {time.perf_counter() - start:.0f} s", flush=True)
+        (out_dir / "results.json").write_text(json.dumps(report(args, results, where), indent=1))
+
+    if not args.netns:
+        run_all("127.0.0.1", (None, None), ({"GLOO_SOCKET_IFNAME": "lo"},) * 2, "loopback 127.0.0.1")
+        return
+    try:
+        with netns_pair(args.rate) as (prefixes, envs):
+            run_all(NETNS_ADDRS[0], prefixes, envs, f"2 network namespaces, veth shaped to {args.rate} (tc tbf)")
+    except NetnsUnavailable as exc:
+        print(f"--netns {exc}: skipped")
+
+
+if __name__ == "__main__":
+    main()
