@@ -53,7 +53,16 @@ if TYPE_CHECKING:  # the same names for type checkers and IDEs; tests/test_catal
         GenericCentralizedOptimizer,
         PowerSGD,
     )
-    from lightning_optim.lightning import OnebitAdamStrategy, OnebitLambStrategy, ZeroOneAdamStrategy
+    from lightning_optim.lightning import (
+        DecentralizedStrategy,
+        OnebitAdamStrategy,
+        OnebitLambStrategy,
+        PowerSGDStrategy,
+        RandomKStrategy,
+        SignSGDStrategy,
+        TopKStrategy,
+        ZeroOneAdamStrategy,
+    )
 
 # The Lightning strategy classes (without importing Lightning until first use) and mlbench's distributed
 # optimizers, at the top level, loaded on first access.

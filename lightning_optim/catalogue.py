@@ -93,6 +93,19 @@ STRATEGIES: dict[str, StrategyEntry] = {e.name: e for e in (
                   "zero_one_adam"),
     StrategyEntry("onebit_lamb", "OnebitLambStrategy",
                   "DDP + 1-bit LAMB (lightning_optim): fp32 warmup, then 1-bit compressed momentum", "onebit_lamb"),
+    StrategyEntry("powersgd", "PowerSGDStrategy",
+                  "DDP + torch's PowerSGD comm hook on every device (lightning_optim): low-rank gradients, error "
+                  "feedback, per-rank state in checkpoints"),
+    StrategyEntry("topk", "TopKStrategy",
+                  "DDP + top-k sparsified gradients with error feedback (lightning_optim): values + indices "
+                  "all-gathered"),
+    StrategyEntry("randomk", "RandomKStrategy",
+                  "DDP + random-k sparsified gradients with error feedback (lightning_optim)"),
+    StrategyEntry("signsgd", "SignSGDStrategy",
+                  "DDP + EF-SignSGD (lightning_optim): scaled 1-bit signs with error feedback, or majority vote"),
+    StrategyEntry("decentralized", "DecentralizedStrategy",
+                  "Decentralized SGD (lightning_optim): local gradients, then gossip of the params with neighbours "
+                  "(ring, torus, exponential, explicit)"),
 )}
 
 

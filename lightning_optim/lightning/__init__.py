@@ -4,7 +4,12 @@
   (``strategies.py``), registered as ``"onebit_adam"``, ``"zero_one_adam"``, ``"onebit_lamb"``
   in ``lightning.pytorch`` and ``pytorch_lightning`` by ``import lightning_optim``
   (``registry.py``); the ``pytorch_lightning`` classes live in ``pl_strategies.py``.
-* :class:`CommTelemetry` (``callbacks.py``): ``comm/*`` metrics per step.
+* :class:`PowerSGDStrategy`, :class:`TopKStrategy`, :class:`RandomKStrategy`, :class:`SignSGDStrategy`,
+  :class:`DecentralizedStrategy` (``strategies.py``, mixins in ``_comm_hook_strategies.py``): DDP with one
+  of :mod:`lightning_optim.comm.ddp_hooks` on every device, registered as ``"powersgd"``, ``"topk"``,
+  ``"randomk"``, ``"signsgd"``, ``"decentralized"``.
+* :class:`CommTelemetry` (``callbacks.py``): ``comm/*`` metrics per step; :class:`ConsensusTelemetry`:
+  the decentralized strategy's ``comm/consensus_distance``.
 * :func:`to_onebit` (``convert.py``): the optimizer conversion the strategies use.
 * :class:`MasterWeightsPrecision`, :class:`KahanPrecision` (``precision.py``): precision plugins.
 * :class:`GradientRelease` (``release.py``): gradient release on one device and under DDP.
@@ -17,13 +22,20 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = ["OnebitAdamStrategy", "ZeroOneAdamStrategy", "OnebitLambStrategy", "CommTelemetry", "to_onebit",
-           "MasterWeightsPrecision", "KahanPrecision", "GradientRelease"]
+__all__ = ["OnebitAdamStrategy", "ZeroOneAdamStrategy", "OnebitLambStrategy", "PowerSGDStrategy", "TopKStrategy",
+           "RandomKStrategy", "SignSGDStrategy", "DecentralizedStrategy", "CommTelemetry", "ConsensusTelemetry",
+           "to_onebit", "MasterWeightsPrecision", "KahanPrecision", "GradientRelease"]
 
 _WHERE = {
     "OnebitAdamStrategy": "strategies",
     "ZeroOneAdamStrategy": "strategies",
     "OnebitLambStrategy": "strategies",
+    "PowerSGDStrategy": "strategies",
+    "TopKStrategy": "strategies",
+    "RandomKStrategy": "strategies",
+    "SignSGDStrategy": "strategies",
+    "DecentralizedStrategy": "strategies",
+    "ConsensusTelemetry": "strategies",
     "CommTelemetry": "callbacks",
     "to_onebit": "convert",
     "MasterWeightsPrecision": "precision",

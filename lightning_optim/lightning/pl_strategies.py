@@ -1,4 +1,4 @@
-"""The 1-bit strategies for the standalone ``pytorch_lightning`` package.
+"""The 1-bit and comm-hook strategies for the standalone ``pytorch_lightning`` package.
 
 Same behaviour and arguments as :mod:`lightning_optim.lightning.strategies`; the classes derive
 from ``pytorch_lightning``'s ``DDPStrategy``/``Callback`` so a ``pytorch_lightning.Trainer``
@@ -13,9 +13,19 @@ from pytorch_lightning.strategies import DDPStrategy
 from lightning_optim.catalogue import STRATEGIES as _CATALOGUE
 from lightning_optim.lightning import registry as _registry
 from lightning_optim.lightning._base import _OnebitAdamMixin, _OnebitLambMixin, _ZeroOneAdamMixin
+from lightning_optim.lightning._comm_hook_strategies import (
+    _ConsensusTelemetryMixin,
+    _DecentralizedMixin,
+    _PowerSGDMixin,
+    _RandomKMixin,
+    _SignSGDMixin,
+    _TopKMixin,
+)
 from lightning_optim.lightning._telemetry import _CommTelemetryMixin
 
-__all__ = ["OnebitAdamStrategy", "ZeroOneAdamStrategy", "OnebitLambStrategy", "CommTelemetry", "STRATEGIES"]
+__all__ = ["OnebitAdamStrategy", "ZeroOneAdamStrategy", "OnebitLambStrategy", "PowerSGDStrategy", "TopKStrategy",
+           "RandomKStrategy", "SignSGDStrategy", "DecentralizedStrategy", "CommTelemetry", "ConsensusTelemetry",
+           "STRATEGIES"]
 
 
 class CommTelemetry(_CommTelemetryMixin, Callback):
@@ -35,6 +45,37 @@ class ZeroOneAdamStrategy(_ZeroOneAdamMixin, DDPStrategy):
 class OnebitLambStrategy(_OnebitLambMixin, DDPStrategy):
     __doc__ = _OnebitLambMixin.__doc__
     telemetry_callback_class = CommTelemetry
+
+
+class ConsensusTelemetry(_ConsensusTelemetryMixin, Callback):
+    __doc__ = _ConsensusTelemetryMixin.__doc__
+
+
+# The comm-hook strategies (DDP + one of lightning_optim.comm.ddp_hooks on every device).
+class PowerSGDStrategy(_PowerSGDMixin, DDPStrategy):
+    __doc__ = _PowerSGDMixin.__doc__
+    telemetry_callback_class = CommTelemetry
+
+
+class TopKStrategy(_TopKMixin, DDPStrategy):
+    __doc__ = _TopKMixin.__doc__
+    telemetry_callback_class = CommTelemetry
+
+
+class RandomKStrategy(_RandomKMixin, DDPStrategy):
+    __doc__ = _RandomKMixin.__doc__
+    telemetry_callback_class = CommTelemetry
+
+
+class SignSGDStrategy(_SignSGDMixin, DDPStrategy):
+    __doc__ = _SignSGDMixin.__doc__
+    telemetry_callback_class = CommTelemetry
+
+
+class DecentralizedStrategy(_DecentralizedMixin, DDPStrategy):
+    __doc__ = _DecentralizedMixin.__doc__
+    telemetry_callback_class = CommTelemetry
+    consensus_callback_class = ConsensusTelemetry
 
 
 STRATEGIES = {name: globals()[entry.export] for name, entry in _CATALOGUE.items()}  # the catalogue's names

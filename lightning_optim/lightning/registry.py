@@ -9,7 +9,8 @@ Lightning 2.x has no plugin discovery for strategies, so ``import lightning_opti
 * not installed: nothing happens.
 
 Names: the strategies of :mod:`lightning_optim.catalogue` (``onebit_adam``, ``zero_one_adam``,
-``onebit_lamb``). A registration failure never breaks
+``onebit_lamb``; the comm-hook ones ``powersgd``, ``topk``, ``randomk``, ``signsgd``,
+``decentralized``). A registration failure never breaks
 the user's import of Lightning; it becomes one warning. :func:`register` does the work and can
 be called by hand.
 """

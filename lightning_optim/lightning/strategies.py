@@ -1,4 +1,4 @@
-"""Lightning strategies for the 1-bit optimizers (``lightning.pytorch``).
+"""Lightning strategies for the 1-bit optimizers and the DDP comm hooks (``lightning.pytorch``).
 
     import lightning_optim                      # registers the names below
     trainer = Trainer(accelerator="cpu", devices=2, strategy="onebit_adam")
@@ -26,18 +26,42 @@ Checkpoints: rank 0 writes the checkpoint; every other rank writes its own 1-bit
 buffers; between ZeroOneAdam synchronisations also its optimizer state and params) to
 ``<checkpoint>.rank<r>.pt`` and reads it back on resume, so training continues bitwise. On
 another world size the error buffers restart at zero with one warning. See docs/lightning.md.
+
+The comm-hook strategies take any (local) optimizer; each is ``DDPStrategy`` with one hook of
+:mod:`lightning_optim.comm.ddp_hooks` registered on every device (CPU too), its per-rank hook state
+in the same ``<checkpoint>.rank<r>.pt`` files, and the same ``timeout``/``telemetry`` arguments:
+
+=================  ==========================  ==================================================
+``powersgd``       ``PowerSGDStrategy``        torch's ``powerSGD_hook`` (rank, start iteration)
+``topk``           ``TopKStrategy``            top-k per param with error feedback
+``randomk``        ``RandomKStrategy``         random-k per param with error feedback
+``signsgd``        ``SignSGDStrategy``         EF-SignSGD scaled signs, or majority vote
+``decentralized``  ``DecentralizedStrategy``   local gradients, gossip of the params after each step
+=================  ==========================  ==================================================
+
+See docs/distributed_strategies.md.
 """
 
 from __future__ import annotations
 
+from lightning.pytorch import Callback
 from lightning.pytorch.strategies import DDPStrategy
 
 from lightning_optim.catalogue import STRATEGIES as _CATALOGUE
 from lightning_optim.lightning import registry as _registry
 from lightning_optim.lightning._base import _OnebitAdamMixin, _OnebitLambMixin, _ZeroOneAdamMixin
+from lightning_optim.lightning._comm_hook_strategies import (
+    _ConsensusTelemetryMixin,
+    _DecentralizedMixin,
+    _PowerSGDMixin,
+    _RandomKMixin,
+    _SignSGDMixin,
+    _TopKMixin,
+)
 from lightning_optim.lightning.callbacks import CommTelemetry
 
-__all__ = ["OnebitAdamStrategy", "ZeroOneAdamStrategy", "OnebitLambStrategy", "STRATEGIES"]
+__all__ = ["OnebitAdamStrategy", "ZeroOneAdamStrategy", "OnebitLambStrategy", "PowerSGDStrategy", "TopKStrategy",
+           "RandomKStrategy", "SignSGDStrategy", "DecentralizedStrategy", "ConsensusTelemetry", "STRATEGIES"]
 
 
 class OnebitAdamStrategy(_OnebitAdamMixin, DDPStrategy):
@@ -56,6 +80,37 @@ class OnebitLambStrategy(_OnebitLambMixin, DDPStrategy):
     __doc__ = _OnebitLambMixin.__doc__
 
     telemetry_callback_class = CommTelemetry
+
+
+class ConsensusTelemetry(_ConsensusTelemetryMixin, Callback):
+    __doc__ = _ConsensusTelemetryMixin.__doc__
+
+
+# The comm-hook strategies (DDP + one of lightning_optim.comm.ddp_hooks on every device).
+class PowerSGDStrategy(_PowerSGDMixin, DDPStrategy):
+    __doc__ = _PowerSGDMixin.__doc__
+    telemetry_callback_class = CommTelemetry
+
+
+class TopKStrategy(_TopKMixin, DDPStrategy):
+    __doc__ = _TopKMixin.__doc__
+    telemetry_callback_class = CommTelemetry
+
+
+class RandomKStrategy(_RandomKMixin, DDPStrategy):
+    __doc__ = _RandomKMixin.__doc__
+    telemetry_callback_class = CommTelemetry
+
+
+class SignSGDStrategy(_SignSGDMixin, DDPStrategy):
+    __doc__ = _SignSGDMixin.__doc__
+    telemetry_callback_class = CommTelemetry
+
+
+class DecentralizedStrategy(_DecentralizedMixin, DDPStrategy):
+    __doc__ = _DecentralizedMixin.__doc__
+    telemetry_callback_class = CommTelemetry
+    consensus_callback_class = ConsensusTelemetry
 
 
 STRATEGIES = {name: globals()[entry.export] for name, entry in _CATALOGUE.items()}  # the catalogue's names

@@ -135,7 +135,7 @@ def _powersgd_case(rank: int, world: int) -> dict[str, Any]:
 
 def _decentralized_case(rank: int) -> dict[str, Any]:
     stats = CommStats()
-    ddp = nn.parallel.DistributedDataParallel(make_model(), broadcast_buffers=False)
+    ddp = nn.parallel.DistributedDataParallel(make_model())
     state = register_comm_hook(ddp, "decentralized", neighbors=PATH, weights="metropolis", consensus_every=1,
                                stats=stats)
     opt = torch.optim.SGD(ddp.parameters(), lr=LR)

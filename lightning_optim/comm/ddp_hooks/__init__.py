@@ -74,7 +74,8 @@ def register_comm_hook(ddp_model: nn.Module, name: str | HookState, **kwargs: An
     per model, registered before the first backward.
     """
     if not isinstance(ddp_model, nn.parallel.DistributedDataParallel):
-        raise TypeError(f"ddp_model must be a torch.nn.parallel.DistributedDataParallel, got {type(ddp_model).__name__}")
+        raise TypeError(f"ddp_model must be a torch.nn.parallel.DistributedDataParallel, got "
+                        f"{type(ddp_model).__name__}")
     if isinstance(name, HookState):
         if kwargs:
             raise TypeError("pass either a ready state or a name with its arguments, not both")
