@@ -166,6 +166,15 @@ def _refusal(neighbors: Any) -> tuple[str, str]:
     return "", "no error"
 
 
+def _powersgd_disagreement(rank: int) -> tuple[str, str]:
+    ddp = nn.parallel.DistributedDataParallel(make_model())
+    try:  # the last rank was given another rank of approximation
+        register_comm_hook(ddp, "powersgd", **{**POWERSGD, "matrix_approximation_rank": 2 if rank == 2 else 1})
+    except ValueError as exc:
+        return type(exc).__name__, str(exc)
+    return "", "no error"
+
+
 def suite(rank: int, world: int) -> dict[str, Any]:
     """Everything the hook tests check, in one spawn of 3 ranks."""
     set_collective_timeout(60)
@@ -174,4 +183,5 @@ def suite(rank: int, world: int) -> dict[str, Any]:
     out["decentralized"] = _decentralized_case(rank)
     out["missing_rank"] = _refusal([[1], [0, 2], [1, 5]])
     out["asymmetric"] = _refusal([[1, 2], [0], [1]])
+    out["powersgd_disagree"] = _powersgd_disagreement(rank)
     return out

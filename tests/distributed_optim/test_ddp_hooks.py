@@ -182,3 +182,10 @@ def test_a_bad_topology_raises_the_same_error_on_every_rank(ranks, case, words):
     assert len(kinds) == 1
     ((kind, message),) = kinds
     assert kind == "TopologyError" and all(w in message for w in words)
+
+
+def test_powersgd_arguments_that_differ_across_ranks_raise_on_every_rank(ranks):
+    results = {ranks[r]["powersgd_disagree"] for r in range(WORLD)}
+    assert len(results) == 1
+    ((kind, message),) = results
+    assert kind == "ValueError" and "matrix_approximation_rank (rank 0: 1, rank 1: 1, rank 2: 2)" in message

@@ -70,8 +70,9 @@ def make_state(name: str, **kwargs: Any) -> HookState:
 def register_comm_hook(ddp_model: nn.Module, name: str | HookState, **kwargs: Any) -> HookState:
     """Register hook ``name`` (or the hook of a ready ``HookState``) on ``ddp_model``; return its state.
 
-    Collective for ``"decentralized"`` (the ranks agree on the topology). torch allows one comm hook
-    per model, registered before the first backward.
+    Collective for ``"decentralized"`` (the ranks agree on the topology) and ``"powersgd"`` (on the
+    arguments): every rank calls it together. torch allows one comm hook per model, registered before
+    the first backward.
     """
     if not isinstance(ddp_model, nn.parallel.DistributedDataParallel):
         raise TypeError(f"ddp_model must be a torch.nn.parallel.DistributedDataParallel, got "

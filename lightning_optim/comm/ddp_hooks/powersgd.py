@@ -49,6 +49,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_p
 
 from lightning_optim.optim.validation import check_flag, check_int, check_non_negative
 
+from ..agreement import agree, fingerprint
 from ..stats import CommStats, ring_allreduce_bytes
 from ..timeouts import collective_timeout
 from ._bucket import HookState, bounded, stats_lock
@@ -115,12 +116,28 @@ class PowerSGDHookState(HookState):
             use_error_feedback=use_error_feedback, warm_start=warm_start,
             orthogonalization_epsilon=float(orthogonalization_epsilon), random_seed=int(random_seed),
             batch_tensors_with_same_shape=batch_tensors_with_same_shape)
+        self.random_seed = int(random_seed)  # torch keeps only the generator it seeds
         self._layouts: dict[int, tuple[str, ...]] = {}  # bucket index -> the layout its torch entries fit
         self._pieces: dict[str, dict[str, Tensor]] = {"error": {}, "q": {}}  # by param name, not yet placed
         self._called: set[int] = set()  # bucket indices called in the current iteration
         self._iteration_over = True
         self.realigned = 0  # times a bucket index came with another layout than its entries were made for
         self.resets = 0  # params whose error restarted at zero because their bucket changed mid-iteration
+
+    def attach(self, ddp_model) -> None:
+        """Collective: the ranks check that they share the arguments and the params' shapes (one bounded
+        all-gather), so a rank configured differently raises on every rank instead of mismatching the
+        all-reduces of torch's hook."""
+        super().attach(ddp_model)
+        ts = self.torch_state
+        values = {"matrix_approximation_rank": ts.matrix_approximation_rank,
+                  "start_powerSGD_iter": ts.start_powerSGD_iter,
+                  "min_compression_rate (x1e6)": round(ts.min_compression_rate * 1e6),
+                  "use_error_feedback": int(ts.use_error_feedback), "warm_start": int(ts.warm_start),
+                  "orthogonalization_epsilon": fingerprint([ts.orthogonalization_epsilon]),
+                  "random_seed": self.random_seed, "batch_tensors_with_same_shape": int(ts.batch_tensors_with_same_shape),
+                  "the params' shapes": fingerprint(self.names.shapes.items())}
+        agree("PowerSGDHookState", tuple(values), values, group=self.group)
 
     # ------------------------------------------------------------------ layouts
     def _offsets(self, layout: tuple[str, ...]) -> Iterator[tuple[str, int, int]]:
