@@ -55,6 +55,7 @@ if TYPE_CHECKING:  # the same names for type checkers and IDEs; tests/test_catal
     )
     from lightning_optim.lightning import (
         DecentralizedStrategy,
+        FP16CompressStrategy,
         OnebitAdamStrategy,
         OnebitLambStrategy,
         PowerSGDStrategy,

@@ -106,6 +106,8 @@ STRATEGIES: dict[str, StrategyEntry] = {e.name: e for e in (
     StrategyEntry("decentralized", "DecentralizedStrategy",
                   "Decentralized SGD (lightning_optim): local gradients, then gossip of the params with neighbours "
                   "(ring, torus, exponential, explicit)"),
+    StrategyEntry("fp16_compress", "FP16CompressStrategy",
+                  "DDP + torch's fp16_compress_hook on every device (lightning_optim): buckets averaged in fp16"),
 )}
 
 

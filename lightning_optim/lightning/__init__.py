@@ -5,9 +5,9 @@
   in ``lightning.pytorch`` and ``pytorch_lightning`` by ``import lightning_optim``
   (``registry.py``); the ``pytorch_lightning`` classes live in ``pl_strategies.py``.
 * :class:`PowerSGDStrategy`, :class:`TopKStrategy`, :class:`RandomKStrategy`, :class:`SignSGDStrategy`,
-  :class:`DecentralizedStrategy` (``strategies.py``, mixins in ``_comm_hook_strategies.py``): DDP with one
-  of :mod:`lightning_optim.comm.ddp_hooks` on every device, registered as ``"powersgd"``, ``"topk"``,
-  ``"randomk"``, ``"signsgd"``, ``"decentralized"``.
+  :class:`DecentralizedStrategy`, :class:`FP16CompressStrategy` (``strategies.py``, mixins in
+  ``_comm_hook_strategies.py``): DDP with one of :mod:`lightning_optim.comm.ddp_hooks` on every device,
+  registered as ``"powersgd"``, ``"topk"``, ``"randomk"``, ``"signsgd"``, ``"decentralized"``, ``"fp16_compress"``.
 * :class:`CommTelemetry` (``callbacks.py``): ``comm/*`` metrics per step; :class:`ConsensusTelemetry`:
   the decentralized strategy's ``comm/consensus_distance``.
 * :func:`to_onebit` (``convert.py``): the optimizer conversion the strategies use.
@@ -23,7 +23,7 @@ import importlib
 from typing import Any
 
 __all__ = ["OnebitAdamStrategy", "ZeroOneAdamStrategy", "OnebitLambStrategy", "PowerSGDStrategy", "TopKStrategy",
-           "RandomKStrategy", "SignSGDStrategy", "DecentralizedStrategy", "CommTelemetry", "ConsensusTelemetry",
+           "RandomKStrategy", "SignSGDStrategy", "DecentralizedStrategy", "FP16CompressStrategy", "CommTelemetry", "ConsensusTelemetry",
            "to_onebit", "MasterWeightsPrecision", "KahanPrecision", "GradientRelease"]
 
 _WHERE = {
@@ -34,6 +34,7 @@ _WHERE = {
     "TopKStrategy": "strategies",
     "RandomKStrategy": "strategies",
     "SignSGDStrategy": "strategies",
+    "FP16CompressStrategy": "strategies",
     "DecentralizedStrategy": "strategies",
     "ConsensusTelemetry": "strategies",
     "CommTelemetry": "callbacks",

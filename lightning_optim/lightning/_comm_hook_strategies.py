@@ -20,8 +20,8 @@ from lightning_optim.lightning._failures import DEFAULT_TIMEOUT_S, _CommFailureM
 from lightning_optim.lightning._hook_checkpoints import _HookCheckpointMixin
 from lightning_optim.lightning._telemetry import _ByteCountingMixin
 
-__all__ = ["_CommHookStrategyMixin", "_ConsensusTelemetryMixin", "_DecentralizedMixin", "_PowerSGDMixin",
-           "_RandomKMixin", "_SignSGDMixin", "_TopKMixin"]
+__all__ = ["_CommHookStrategyMixin", "_ConsensusTelemetryMixin", "_DecentralizedMixin", "_FP16CompressMixin",
+           "_PowerSGDMixin", "_RandomKMixin", "_SignSGDMixin", "_TopKMixin"]
 
 _NOT_OURS = ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper", "model_averaging_period")
 # torch >= 2.13 renamed DDP's per-forward buffer broadcast (the old name warns)
@@ -197,6 +197,21 @@ class _SignSGDMixin(_CommHookStrategyMixin):
 
     def __init__(self, majority_vote: bool = False, error_feedback: bool = True, **kwargs: Any) -> None:
         super().__init__(hook_kwargs=dict(majority_vote=majority_vote, error_feedback=error_feedback), **kwargs)
+
+
+class _FP16CompressMixin(_CommHookStrategyMixin):
+    """DDP + torch's ``fp16_compress_hook`` (each bucket averaged in fp16: half of fp32 DDP's bytes, no error
+    feedback), registered on every device (Lightning's ``ddp_comm_hook`` is skipped off CUDA), counted.
+
+    Args:
+        timeout, telemetry, **kwargs: as :class:`TopKStrategy`.
+    """
+
+    hook_name = "fp16_compress"
+    _refuses_grad_scaler = False  # no residuals: a skipped step leaves nothing behind
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(hook_kwargs={}, **kwargs)
 
 
 class _DecentralizedMixin(_CommHookStrategyMixin):

@@ -19,13 +19,14 @@ from lightning_optim.lightning._comm_hook_strategies import (
     _PowerSGDMixin,
     _RandomKMixin,
     _SignSGDMixin,
+    _FP16CompressMixin,
     _TopKMixin,
 )
 from lightning_optim.lightning._telemetry import _CommTelemetryMixin
 
 __all__ = ["OnebitAdamStrategy", "ZeroOneAdamStrategy", "OnebitLambStrategy", "PowerSGDStrategy", "TopKStrategy",
-           "RandomKStrategy", "SignSGDStrategy", "DecentralizedStrategy", "CommTelemetry", "ConsensusTelemetry",
-           "STRATEGIES"]
+           "RandomKStrategy", "SignSGDStrategy", "DecentralizedStrategy", "FP16CompressStrategy", "CommTelemetry",
+           "ConsensusTelemetry", "STRATEGIES"]
 
 
 class CommTelemetry(_CommTelemetryMixin, Callback):
@@ -69,6 +70,11 @@ class RandomKStrategy(_RandomKMixin, DDPStrategy):
 
 class SignSGDStrategy(_SignSGDMixin, DDPStrategy):
     __doc__ = _SignSGDMixin.__doc__
+    telemetry_callback_class = CommTelemetry
+
+
+class FP16CompressStrategy(_FP16CompressMixin, DDPStrategy):
+    __doc__ = _FP16CompressMixin.__doc__
     telemetry_callback_class = CommTelemetry
 
 

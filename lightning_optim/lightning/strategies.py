@@ -56,12 +56,13 @@ from lightning_optim.lightning._comm_hook_strategies import (
     _PowerSGDMixin,
     _RandomKMixin,
     _SignSGDMixin,
+    _FP16CompressMixin,
     _TopKMixin,
 )
 from lightning_optim.lightning.callbacks import CommTelemetry
 
 __all__ = ["OnebitAdamStrategy", "ZeroOneAdamStrategy", "OnebitLambStrategy", "PowerSGDStrategy", "TopKStrategy",
-           "RandomKStrategy", "SignSGDStrategy", "DecentralizedStrategy", "ConsensusTelemetry", "STRATEGIES"]
+           "RandomKStrategy", "SignSGDStrategy", "DecentralizedStrategy", "FP16CompressStrategy", "ConsensusTelemetry", "STRATEGIES"]
 
 
 class OnebitAdamStrategy(_OnebitAdamMixin, DDPStrategy):
@@ -104,6 +105,11 @@ class RandomKStrategy(_RandomKMixin, DDPStrategy):
 
 class SignSGDStrategy(_SignSGDMixin, DDPStrategy):
     __doc__ = _SignSGDMixin.__doc__
+    telemetry_callback_class = CommTelemetry
+
+
+class FP16CompressStrategy(_FP16CompressMixin, DDPStrategy):
+    __doc__ = _FP16CompressMixin.__doc__
     telemetry_callback_class = CommTelemetry
 
 

@@ -27,6 +27,7 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "randomk": ("RandomKStrategy", dict(ratio=0.05)),
     "signsgd": ("SignSGDStrategy", {}),
     "decentralized": ("DecentralizedStrategy", dict(consensus_every=2)),
+    "fp16_compress": ("FP16CompressStrategy", {}),
 }
 
 
@@ -85,7 +86,7 @@ def _fit(case: str, out: Path, *, max_steps: int, ckpt_in: str | None = None, ch
         model.configure_optimizers = _hooked(model.configure_optimizers, after_local_step)
     trainer.fit(model, datamodule=ByteDataModule(**DATA), ckpt_path=ckpt_in)
     state = trainer.strategy.hook_state
-    return {"rows": recorder.rows, "params": _flat_params(model), "replay": recorder.replay if case == "powersgd"
+    return {"rows": recorder.rows, "params": _flat_params(model), "replay": recorder.replay if case in TORCH_HOOKS
             else None, "half": recorder.half, "mixed": recorder.mixed, "summary": trainer.strategy.comm_summary(),
             "hook_state": state.state_dict(), "metrics_csv": str(out / "metrics.csv"),
             "numels": [p.numel() for p in model.parameters()], "shapes": [tuple(p.shape) for p in model.parameters()]}
@@ -113,16 +114,27 @@ class _Loss(nn.Module):
         return self.lm._loss(batch)
 
 
-def replay_with_torchs_hook(replay: list[dict[str, Any]]) -> list[list[torch.Tensor]]:
-    """The recorded steps through torch's ``powerSGD_hook`` by hand: a plain DDP model, PowerSGDState with
-    the strategy's arguments, each step's params and batch; returns the gradients DDP hands back."""
+def _torch_hook(case: str) -> tuple[Any, Any]:
+    """(state, hook) of torch's own hook that strategy ``case`` runs."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
 
+    if case == "powersgd":
+        return torch_powersgd.PowerSGDState(process_group=None, **POWERSGD), torch_powersgd.powerSGD_hook
+    return None, default_hooks.fp16_compress_hook
+
+
+TORCH_HOOKS = ("powersgd", "fp16_compress")
+
+
+def replay_with_torchs_hook(case: str, replay: list[dict[str, Any]]) -> list[list[torch.Tensor]]:
+    """The recorded steps through torch's own hook by hand: a plain DDP model with the strategy's arguments,
+    each step's params and batch; returns the gradients DDP hands back."""
     from lightning_optim.model import LanguageModel
 
     lm = LanguageModel(MODEL, SEQ_LEN, optimizer=_adamw, scheduler=SCHEDULER)
     ddp = nn.parallel.DistributedDataParallel(_Loss(lm))
-    ddp.register_comm_hook(torch_powersgd.PowerSGDState(process_group=None, **POWERSGD), torch_powersgd.powerSGD_hook)
+    ddp.register_comm_hook(*_torch_hook(case))
     grads = []
     for step in replay:
         with torch.no_grad():
@@ -156,7 +168,8 @@ def suite(rank: int, world: int, tmp: str) -> dict[str, Any]:
         ckpt = str(tmp_path / case / "ckpts" / f"epoch=0-step={RESUME_EPOCH}.ckpt")
         resumed = _fit(case, tmp_path / case / "resumed", max_steps=2 * RESUME_EPOCH, ckpt_in=ckpt)
         out[case] = {**full, "resumed": resumed, "ckpt": ckpt}
-    out["powersgd"]["by_hand"] = replay_with_torchs_hook(out["powersgd"]["replay"])
+    for case in TORCH_HOOKS:
+        out[case]["by_hand"] = replay_with_torchs_hook(case, out[case]["replay"])
     out["refused"] = {  # last: a failed fit may leave Lightning's state behind
         "onebit_optimizer": _refused(tmp_path / "r1", lambda: strategies.TopKStrategy(timeout=60),
                                      optimizer=functools.partial(lightning_optim.OnebitAdam, lr=1e-3)),

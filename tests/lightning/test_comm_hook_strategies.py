@@ -56,6 +56,8 @@ def _expected_bytes(case: str, shapes: list[tuple[int, ...]], step: int) -> int:
         return _ring(p) + _ring(q) + _ring(plain)
     if case == "topk":
         return (WORLD - 1) * sum(max(1, int(0.01 * d)) * (4 + 4) for d in numels)
+    if case == "fp16_compress":  # every bucket in fp16 through a ring all-reduce
+        return _ring(sum(numels), 2)
     if case == "randomk":  # shared positions: the values alone, in one ring all-reduce
         return _ring(sum(max(1, int(0.05 * d)) for d in numels))
     if case == "signsgd":
@@ -98,15 +100,18 @@ def test_telemetry_is_logged(runs, case):
     assert float(last["comm/compression_ratio"]) == pytest.approx(ratio)
     if case in ("topk", "randomk", "signsgd", "powersgd"):
         assert ratio > 5  # compressed (PowerSGD after start_powerSGD_iter)
+    if case == "fp16_compress":
+        assert ratio == pytest.approx(2.0)
     if case == "decentralized":
         distances = [r["comm/consensus_distance"] for r in csv.DictReader(open(runs[0][case]["metrics_csv"]))
                      if r.get("comm/consensus_distance")]
         assert len(distances) == STEPS // 2
 
 
-def test_powersgd_equals_torchs_hook_applied_by_hand(runs):
+@pytest.mark.parametrize("case", ["powersgd", "fp16_compress"])
+def test_the_strategy_equals_torchs_hook_applied_by_hand(runs, case):
     for rank in range(WORLD):
-        run = runs[rank]["powersgd"]
+        run = runs[rank][case]
         assert len(run["replay"]) == STEPS
         for step, by_hand in zip(run["replay"], run["by_hand"]):
             for strategy_grad, torch_grad in zip(step["grads"], by_hand):
@@ -172,6 +177,7 @@ BAD = {
     "RandomKStrategy": [("ratio", -0.1), ("ratio", 2), ("seed", -1), ("seed", 1.0), ("shared_indices", "no"),
                         ("error_feedback", 0)],
     "SignSGDStrategy": [("majority_vote", "false"), ("error_feedback", None)],
+    "FP16CompressStrategy": [],
     "DecentralizedStrategy": [("neighbors", "star"), ("neighbors", 3), ("neighbors", [[1], ["a"]]),
                               ("neighbors", [-1]), ("weights", "max"), ("consensus_every", -1),
                               ("consensus_every", 1.5), ("by_layer", "no")],

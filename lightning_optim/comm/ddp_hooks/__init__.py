@@ -14,6 +14,7 @@ name               state (arguments)           per bucket
 ``"signsgd"``      ``SignSGDHookState``        scaled sign (EF-SignSGD) or majority vote
 ``"powersgd"``     ``PowerSGDHookState``       torch's ``powerSGD_hook`` (counted, layout-safe)
 ``"decentralized"`` ``DecentralizedHookState``  nothing: local gradients; gossip after the step
+``"fp16_compress"`` ``FP16CompressHookState``  torch's ``fp16_compress_hook`` (counted, bounded)
 =================  ==========================  ===============================================
 
 Every state keeps its per-rank state by param name (DDP rebuilds its buckets after the first
@@ -31,6 +32,7 @@ from torch import nn
 from ._bucket import HookState, ParamNames
 from .compressed import CompressionHookState, RandomKHookState, SignSGDHookState, TopKHookState, compression_hook
 from .decentralized import DecentralizedHookState, local_gradient_hook
+from .fp16 import FP16CompressHookState, fp16_compress_hook
 from .powersgd import PowerSGDHookState, powersgd_hook
 
 __all__ = [
@@ -43,9 +45,11 @@ __all__ = [
     "SignSGDHookState",
     "PowerSGDHookState",
     "DecentralizedHookState",
+    "FP16CompressHookState",
     "compression_hook",
     "powersgd_hook",
     "local_gradient_hook",
+    "fp16_compress_hook",
     "make_state",
     "register_comm_hook",
 ]
@@ -57,6 +61,7 @@ HOOKS: dict[str, tuple[type[HookState], Callable]] = {
     "signsgd": (SignSGDHookState, compression_hook),
     "powersgd": (PowerSGDHookState, powersgd_hook),
     "decentralized": (DecentralizedHookState, local_gradient_hook),
+    "fp16_compress": (FP16CompressHookState, fp16_compress_hook),
 }
 
 
