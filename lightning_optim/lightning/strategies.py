@@ -39,7 +39,7 @@ in the same ``<checkpoint>.rank<r>.pt`` files, and the same ``timeout``/``teleme
 ``decentralized``  ``DecentralizedStrategy``   local gradients, gossip of the params after each step
 =================  ==========================  ==================================================
 
-See docs/distributed_strategies.md.
+See docs/distributed.md.
 """
 
 from __future__ import annotations
