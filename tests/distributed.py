@@ -31,13 +31,23 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as tmp
 
-__all__ = ["run_workers", "run_torchrun", "free_port", "WorkerError"]
+__all__ = ["run_workers", "run_torchrun", "torchrun_results", "free_port", "error_text", "WorkerError"]
 
 _ERROR_GRACE_S = 3.0
 
 
 class WorkerError(RuntimeError):
     """A worker rank raised (or died); the message holds the child's traceback."""
+
+
+def error_text(fn) -> str:
+    """``"TypeName: message"`` of the ValueError/TypeError ``fn()`` raises, or ``"no error"`` (for worker
+    functions that report refusals back to the test instead of failing the rank)."""
+    try:
+        fn()
+    except (ValueError, TypeError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
 
 
 def free_port() -> int:
@@ -58,6 +68,18 @@ def run_torchrun(script, *args: str, cwd, nproc: int = 2, timeout: float = 300):
     done = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, done.stderr[-4000:]
     return done
+
+
+def torchrun_results(script, out, *args: str, cwd, nproc: int = 2) -> list:
+    """``run_torchrun(script, out, *args)`` for a script that saves ``out/rank<r>.pt`` on each rank; the
+    ranks' saved objects, in rank order."""
+    import torch
+    from pathlib import Path
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    run_torchrun(script, out, *args, cwd=cwd, nproc=nproc)
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(nproc)]
 
 
 def _worker(rank, world_size, port, fn, args, env, pg_timeout, results):

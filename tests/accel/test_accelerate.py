@@ -13,16 +13,14 @@ import torch
 
 pytest.importorskip("accelerate")
 
-from tests.distributed import run_torchrun  # noqa: E402
+from tests.distributed import run_torchrun, torchrun_results  # noqa: E402
 
 SCRIPT = Path(__file__).with_name("accelerate_script.py")
 REPO = Path(__file__).resolve().parents[2]
 
 
 def _torchrun(out: Path, *args: str) -> list[dict]:
-    out.mkdir(parents=True, exist_ok=True)
-    run_torchrun(SCRIPT, out, *args, cwd=REPO)
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    return torchrun_results(SCRIPT, out, *args, cwd=REPO)
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,7 @@ import torch.distributed as dist
 from lightning_optim.comm import set_collective_timeout
 from lightning_optim.comm.compressors import Blockwise, ErrorFeedback, PowerSGDCompressor, RandomK, ScaledSign, TopK
 from lightning_optim.comm.stats import CommStats
+from tests.distributed import error_text
 
 SHAPES = [(6, 5), (7,), (3, 2, 2)]
 STEPS = 4
@@ -51,14 +52,6 @@ def _run(name: str, group) -> dict:
             "stats": stats.as_dict(), "predicted": STEPS * compressor.bytes_sent(sizes, world, DT)}
 
 
-def _error(fn) -> str:
-    try:
-        fn()
-    except (ValueError, TypeError) as exc:
-        return f"{type(exc).__name__}: {exc}"
-    return "no error"
-
-
 def suite(rank: int, world: int) -> dict:
     set_collective_timeout(30)
     pair = dist.new_group([0, 1])
@@ -69,11 +62,11 @@ def suite(rank: int, world: int) -> dict:
         out["three"][name] = _run(name, None)
     tensors = rank_inputs(1, rank)
     # inconsistent settings across ranks: every rank must raise, none may hang
-    out["k_differs"] = _error(lambda: TopK(k=2 + rank).reduce(tensors))
-    out["seed_differs"] = _error(lambda: RandomK(k=2, seed=rank).reduce(tensors))
-    out["rank_differs"] = _error(lambda: PowerSGDCompressor(rank=1 + rank).reduce(tensors))
-    out["layout_differs"] = _error(lambda: ScaledSign().reduce(tensors[: 1 + (rank == 0)]))
-    out["k_too_big_on_one"] = _error(lambda: TopK(k=8 if rank == 1 else 2).reduce(tensors))
+    out["k_differs"] = error_text(lambda: TopK(k=2 + rank).reduce(tensors))
+    out["seed_differs"] = error_text(lambda: RandomK(k=2, seed=rank).reduce(tensors))
+    out["rank_differs"] = error_text(lambda: PowerSGDCompressor(rank=1 + rank).reduce(tensors))
+    out["layout_differs"] = error_text(lambda: ScaledSign().reduce(tensors[: 1 + (rank == 0)]))
+    out["k_too_big_on_one"] = error_text(lambda: TopK(k=8 if rank == 1 else 2).reduce(tensors))
     # the group still works after those refusals
     out["after"] = ScaledSign().reduce([torch.ones(3, dtype=DT) * (rank + 1)])[0]
     return out

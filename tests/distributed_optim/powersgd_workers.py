@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 from lightning_optim.comm import comm_stats, set_collective_timeout
 from lightning_optim.distributed.powersgd import PowerSGD
+from tests.distributed import error_text
 
 SHAPES = [(6, 5), (5,), (4, 2, 2), (3,)]
 DT = torch.float64
@@ -71,14 +72,6 @@ def _run(name: str, rank: int, world: int, group) -> dict:
             "memories": [opt.state[p]["memory"].clone() for p in params]}
 
 
-def _error(fn) -> str:
-    try:
-        fn()
-    except (ValueError, TypeError) as exc:
-        return f"{type(exc).__name__}: {exc}"
-    return "no error"
-
-
 def suite(rank: int, world: int) -> dict:
     set_collective_timeout(30)
     pair = dist.new_group([0, 1])
@@ -89,9 +82,9 @@ def suite(rank: int, world: int) -> dict:
         if 3 in worlds:
             out[3][name] = _run(name, rank, 3, None)
     params = [p.requires_grad_() for p in init_params()]
-    out["rank_differs"] = _error(lambda: PowerSGD(params, lr=0.1, rank=1 + rank, world_size=3))
-    out["seed_differs"] = _error(lambda: PowerSGD(params, lr=0.1, seed=rank, world_size=3))
-    out["rank_zero_on_one"] = _error(lambda: PowerSGD(params, lr=0.1, rank=0 if rank == 2 else 1, world_size=3))
-    out["world_size_on_one"] = _error(lambda: PowerSGD(params, lr=0.1, world_size=1 if rank == 0 else 3))
-    out["model_differs"] = _error(lambda: PowerSGD(params[: 3 + (rank == 1)], lr=0.1, world_size=3))
+    out["rank_differs"] = error_text(lambda: PowerSGD(params, lr=0.1, rank=1 + rank, world_size=3))
+    out["seed_differs"] = error_text(lambda: PowerSGD(params, lr=0.1, seed=rank, world_size=3))
+    out["rank_zero_on_one"] = error_text(lambda: PowerSGD(params, lr=0.1, rank=0 if rank == 2 else 1, world_size=3))
+    out["world_size_on_one"] = error_text(lambda: PowerSGD(params, lr=0.1, world_size=1 if rank == 0 else 3))
+    out["model_differs"] = error_text(lambda: PowerSGD(params[: 3 + (rank == 1)], lr=0.1, world_size=3))
     return out

@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 from lightning_optim.comm import comm_stats, set_collective_timeout
 from lightning_optim.distributed.sparsified import CentralizedSparsifiedSGD
+from tests.distributed import error_text
 
 SHAPES = [(5, 4), (7,), (2, 3, 2)]
 DT = torch.float64
@@ -79,14 +80,6 @@ def _run(name: str, rank: int, world: int, group) -> dict:
     return {"history": history, "resumed": resumed, "stats": delta.as_dict(), "memories": memories}
 
 
-def _error(fn) -> str:
-    try:
-        fn()
-    except (ValueError, TypeError) as exc:
-        return f"{type(exc).__name__}: {exc}"
-    return "no error"
-
-
 def suite(rank: int, world: int) -> dict:
     set_collective_timeout(30)
     pair = dist.new_group([0, 1])
@@ -96,12 +89,12 @@ def suite(rank: int, world: int) -> dict:
             out["two"][name] = _run(name, rank, 2, pair)
         out["three"][name] = _run(name, rank, 3, None)
     params = [p.requires_grad_() for p in init_params()]
-    out["k_differs"] = _error(lambda: CentralizedSparsifiedSGD(params, lr=0.1, sparse_grad_size=2 + rank, world_size=3))
-    out["k_too_big_on_one"] = _error(
+    out["k_differs"] = error_text(lambda: CentralizedSparsifiedSGD(params, lr=0.1, sparse_grad_size=2 + rank, world_size=3))
+    out["k_too_big_on_one"] = error_text(
         lambda: CentralizedSparsifiedSGD(params, lr=0.1, sparse_grad_size=8 if rank == 2 else 2, world_size=3))
-    out["world_size_on_one"] = _error(
+    out["world_size_on_one"] = error_text(
         lambda: CentralizedSparsifiedSGD(params, lr=0.1, sparse_grad_size=2, world_size=2 if rank == 1 else 3))
-    out["mode_differs"] = _error(
+    out["mode_differs"] = error_text(
         lambda: CentralizedSparsifiedSGD(params, lr=0.1, sparse_grad_size=2, random_sparse=rank == 0, world_size=3))
 
     def edited_after_construction():
@@ -116,5 +109,5 @@ def suite(rank: int, world: int) -> dict:
         finally:  # nothing moved on any rank
             assert all(torch.equal(a, b) for a, b in zip(before, params))
 
-    out["edited_group"] = _error(edited_after_construction)
+    out["edited_group"] = error_text(edited_after_construction)
     return out
