@@ -62,11 +62,12 @@ def format_table(summary: dict[str, Any]) -> str:
     ]
     comm = summary.get("comm")
     if comm and comm.get("bytes_sent"):
+        ratio = comm["compression_ratio"]
+        relation = f"{ratio:.1f}x less" if ratio >= 1 else f"{1 / ratio:.1f}x more"  # gossip can send more
         rows.append((
             "bytes sent per rank",
             f"{comm['bytes_sent'] / 1e6:,.1f} MB vs {comm['fp32_bytes'] / 1e6:,.1f} MB for fp32 DDP "
-            f"({comm['compression_ratio']:.1f}x less; {comm['steps_without_ddp_allreduce']} of {comm['steps']} "
-            "steps without DDP's allreduce)",
+            f"({relation}; {comm['steps_without_ddp_allreduce']} of {comm['steps']} steps without DDP's allreduce)",
         ))
     width = max(len(label) for label, _ in rows)
     lines = ["lightning-optim run summary"] + [f"  {label:<{width}}  {value}" for label, value in rows]
