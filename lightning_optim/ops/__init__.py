@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from lightning_optim.ops import _loader
+from lightning_optim.ops import _loader, custom_ops  # noqa: F401  (custom_ops registers torch.ops.lightning_optim)
 from lightning_optim.ops._loader import BuildError, build_root
 from lightning_optim.ops.fused import OPTIMIZER_KERNELS, RAW_KERNELS, supports
 
@@ -44,7 +44,7 @@ ENV_VAR = "LIGHTNING_OPTIM_BACKEND"
 BACKENDS = ("torch", "cpu", "cuda")
 
 _warned = False
-_kernels: dict[tuple[int, str], Any] = {}
+_kernels: dict[str, tuple[ModuleType, Any]] = {}  # name -> (the module it was made for, the kernel)
 
 
 def requested_backend() -> str | None:
@@ -82,7 +82,15 @@ def extension(required: bool = False) -> ModuleType | None:
 
 def backend_for(device: torch.device | str) -> str:
     """``'cuda'``, ``'cpu'`` or ``'torch'``: what runs optimizer math for tensors on ``device``."""
-    kind = torch.device(device).type
+    return _backend_for_kind(torch.device(device).type)
+
+
+@torch.compiler.assume_constant_result
+def _backend_for_kind(kind: str) -> str:
+    """``backend_for`` by device type. torch.compile runs it once while tracing and keeps the answer
+    as a constant, so the build, its file checks and the environment lookup stay out of the graph
+    (a compiled step keeps the backend it was traced with: after changing the environment variable,
+    call ``torch._dynamo.reset()``)."""
     forced = requested_backend()
     if forced == "torch" or kind not in ("cpu", "cuda") or (forced is not None and forced != kind):
         return "torch"
@@ -108,10 +116,10 @@ def kernel(name: str, batch: Any) -> Any | None:
     module = _loader.build()
     if not supports(batch, module):
         return None
-    key = (id(module), name)
-    if key not in _kernels:
-        _kernels[key] = OPTIMIZER_KERNELS[name](module)
-    return _kernels[key]
+    cached = _kernels.get(name)
+    if cached is None or cached[0] is not module:
+        cached = _kernels[name] = (module, OPTIMIZER_KERNELS[name](module))
+    return cached[1]
 
 
 def raw_kernel(name: str, device: torch.device | str) -> Any | None:

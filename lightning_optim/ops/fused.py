@@ -20,6 +20,15 @@ from torch import Tensor
 SUPPORTED_PARAMS = (torch.float32, torch.bfloat16, torch.float16)
 
 
+def launch(ext: ModuleType, name: str, **kwargs: Any) -> Any:
+    """Run the binding ``name``: directly in eager mode, as the custom op ``torch.ops.lightning_optim.<name>``
+    while torch.compile traces (one graph node instead of a graph break). Both run the same binding;
+    the eager route skips the dispatcher, whose boxing of thousands of tensors costs more than it brings."""
+    if torch.compiler.is_compiling():
+        return getattr(torch.ops.lightning_optim, name)(**kwargs)
+    return getattr(ext, name)(**kwargs)
+
+
 def supports(batch: Any, ext: ModuleType) -> bool:
     """The kernels run fp32 math and state over fp32/bf16/fp16 params, dense and contiguous.
 
@@ -27,6 +36,8 @@ def supports(batch: Any, ext: ModuleType) -> bool:
     """
     if batch.compute_dtype != torch.float32 or batch.params[0].dtype not in SUPPORTED_PARAMS:
         return False
+    if torch.compiler.is_compiling():  # read from the traced strides, guarded by dynamo: no check left at run time
+        return all(t.is_contiguous() for t in (*batch.params, *batch.raw_grads))
     return ext.all_contiguous(batch.params, batch.raw_grads)
 
 
@@ -47,11 +58,11 @@ def adam(ext: ModuleType) -> Callable[..., None]:
     def run(batch: Any, apply: bool, *, lr: float, beta1: float, beta2: float, eps: float, l2: float,
             bc1: float, bc2: float, decay: float, amsgrad: bool) -> None:
         keep, neg = _decay(decay)
-        ext.adam(params=_params(batch), grads=batch.raw_grads, exp_avgs=batch.state("exp_avg"),
-                 exp_avg_sqs=batch.state("exp_avg_sq"),
-                 max_exp_avg_sqs=batch.state("max_exp_avg_sq") if amsgrad else [], kahan_comps=_comps(batch),
-                 param_copies=batch.take_copies() if apply else [], w1=1 - beta1, beta2=beta2, c2=1 - beta2, step=-lr / bc1,
-                 sqrt_bc2=math.sqrt(bc2), eps=eps, l2=l2, keep=keep, neg_decay=neg, apply=apply)
+        launch(ext, "adam", params=_params(batch), grads=batch.raw_grads, exp_avgs=batch.state("exp_avg"),
+               exp_avg_sqs=batch.state("exp_avg_sq"),
+               max_exp_avg_sqs=batch.state("max_exp_avg_sq") if amsgrad else [], kahan_comps=_comps(batch),
+               param_copies=batch.take_copies() if apply else [], w1=1 - beta1, beta2=beta2, c2=1 - beta2,
+               step=-lr / bc1, sqrt_bc2=math.sqrt(bc2), eps=eps, l2=l2, keep=keep, neg_decay=neg, apply=apply)
     return run
 
 
@@ -60,19 +71,19 @@ def sgd(ext: ModuleType) -> Callable[..., None]:
             l2_pre: float, l2_post: float, decay: float) -> None:
         keep, neg = _decay(decay)
         bufs = batch.state("momentum_buffer") if momentum != 0 else []
-        ext.sgd(params=_params(batch), grads=batch.raw_grads, momentum_buffers=bufs,
-                kahan_comps=_comps(batch), momentum=momentum, damp_keep=1 - dampening, l2_pre=l2_pre,
-                l2_post=l2_post, neg_lr=-lr, first=batch.step == 1, nesterov=nesterov, keep=keep,
-                neg_decay=neg, apply=apply)
+        launch(ext, "sgd", params=_params(batch), grads=batch.raw_grads, momentum_buffers=bufs,
+               kahan_comps=_comps(batch), momentum=momentum, damp_keep=1 - dampening, l2_pre=l2_pre,
+               l2_post=l2_post, neg_lr=-lr, first=batch.step == 1, nesterov=nesterov, keep=keep,
+               neg_decay=neg, apply=apply)
     return run
 
 
 def lion(ext: ModuleType) -> Callable[..., None]:
     def run(batch: Any, apply: bool, *, lr: float, beta1: float, beta2: float, decay: float) -> None:
         keep, neg = _decay(decay)
-        ext.lion(params=_params(batch), grads=batch.raw_grads, exp_avgs=batch.state("exp_avg"),
-                 kahan_comps=_comps(batch), w1=1 - beta1, w2=1 - beta2, neg_lr=-lr, keep=keep, neg_decay=neg,
-                 apply=apply)
+        launch(ext, "lion", params=_params(batch), grads=batch.raw_grads, exp_avgs=batch.state("exp_avg"),
+               kahan_comps=_comps(batch), w1=1 - beta1, w2=1 - beta2, neg_lr=-lr, keep=keep, neg_decay=neg,
+               apply=apply)
     return run
 
 
@@ -82,12 +93,12 @@ def adan(ext: ModuleType) -> Callable[..., None]:
         keep, neg = _decay(decay)
         t = batch.step
         bc1, bc2, bc3 = 1 - beta1**t, 1 - beta2**t, 1 - beta3**t
-        ext.adan(params=_params(batch), grads=batch.raw_grads, exp_avgs=batch.state("exp_avg"),
-                 exp_avg_diffs=batch.state("exp_avg_diff"), exp_avg_sqs=batch.state("exp_avg_sq"),
-                 prev_grads=batch.state("prev_grad"), kahan_comps=_comps(batch), w1=1 - beta1, w2=1 - beta2,
-                 beta2=beta2, beta3=beta3, c3=1 - beta3, bc1=bc1, n_coef=beta2 / bc2,
-                 sqrt_bc3=math.sqrt(bc3), eps=eps, step=step_size, first=t == 1, keep=keep, neg_decay=neg,
-                 apply=apply)
+        launch(ext, "adan", params=_params(batch), grads=batch.raw_grads, exp_avgs=batch.state("exp_avg"),
+               exp_avg_diffs=batch.state("exp_avg_diff"), exp_avg_sqs=batch.state("exp_avg_sq"),
+               prev_grads=batch.state("prev_grad"), kahan_comps=_comps(batch), w1=1 - beta1, w2=1 - beta2,
+               beta2=beta2, beta3=beta3, c3=1 - beta3, bc1=bc1, n_coef=beta2 / bc2,
+               sqrt_bc3=math.sqrt(bc3), eps=eps, step=step_size, first=t == 1, keep=keep, neg_decay=neg,
+               apply=apply)
     return run
 
 
@@ -100,20 +111,20 @@ class Lamb:
     def moments(self, batch: Any, *, clip_div: float, l2: float, beta1: float, m_coef: float, beta2: float,
                 bc1: float, bc2: float, eps: float, wd: float, eps_inside_sqrt: bool, norms: bool) -> Tensor:
         """Update the moments; with ``norms`` return the per-tensor (|p|, |u|) in fp32."""
-        sums = self.ext.lamb_moments(params=batch.params, grads=batch.raw_grads,
-                                     exp_avgs=batch.state("exp_avg"), exp_avg_sqs=batch.state("exp_avg_sq"),
-                                     clip_div=clip_div, l2=l2, beta1=beta1, m_coef=m_coef, beta2=beta2,
-                                     c2=1 - beta2, bc1=bc1, bc2=bc2, eps=eps, wd=wd,
-                                     eps_inside_sqrt=eps_inside_sqrt, norms=norms)
+        sums = launch(self.ext, "lamb_moments", params=batch.params, grads=batch.raw_grads,
+                      exp_avgs=batch.state("exp_avg"), exp_avg_sqs=batch.state("exp_avg_sq"),
+                      clip_div=clip_div, l2=l2, beta1=beta1, m_coef=m_coef, beta2=beta2,
+                      c2=1 - beta2, bc1=bc1, bc2=bc2, eps=eps, wd=wd,
+                      eps_inside_sqrt=eps_inside_sqrt, norms=norms)
         return sums.sqrt().float()
 
     def apply(self, batch: Any, scales: Tensor, *, bc1: float, bc2: float, eps: float, wd: float,
               eps_inside_sqrt: bool) -> None:
         """``p <- p + scales[i] * u`` with ``u`` recomputed from the updated moments."""
-        self.ext.lamb_apply(params=_params(batch), exp_avgs=batch.state("exp_avg"),
-                            exp_avg_sqs=batch.state("exp_avg_sq"), kahan_comps=_comps(batch),
-                            scales=scales.float().contiguous(), bc1=bc1, bc2=bc2, eps=eps, wd=wd,
-                            eps_inside_sqrt=eps_inside_sqrt)
+        launch(self.ext, "lamb_apply", params=_params(batch), exp_avgs=batch.state("exp_avg"),
+               exp_avg_sqs=batch.state("exp_avg_sq"), kahan_comps=_comps(batch),
+               scales=scales.float().contiguous(), bc1=bc1, bc2=bc2, eps=eps, wd=wd,
+               eps_inside_sqrt=eps_inside_sqrt)
 
 
 class Lars:
@@ -124,16 +135,16 @@ class Lars:
 
     def norms(self, batch: Any) -> Tensor:
         """Per-tensor (|p|, |g|) in fp32."""
-        return self.ext.lars_norms(params=batch.params, grads=batch.raw_grads).sqrt().float()
+        return launch(self.ext, "lars_norms", params=batch.params, grads=batch.raw_grads).sqrt().float()
 
     def step(self, batch: Any, apply: bool, scales: Tensor | None, *, weight_decay: float, grad_clip: float | None,
              momentum: float) -> None:
         clip = math.inf if grad_clip is None else grad_clip
         bufs = batch.state("momentum_buffer") if momentum != 0 else []
-        self.ext.lars(params=_params(batch), grads=batch.raw_grads, momentum_buffers=bufs,
-                      kahan_comps=_comps(batch),
-                      scales=None if scales is None else scales.float().contiguous(), wd=weight_decay,
-                      lo_clip=-clip, hi_clip=clip, momentum=momentum, first=batch.step == 1, apply=apply)
+        launch(self.ext, "lars", params=_params(batch), grads=batch.raw_grads, momentum_buffers=bufs,
+               kahan_comps=_comps(batch),
+               scales=None if scales is None else scales.float().contiguous(), wd=weight_decay,
+               lo_clip=-clip, hi_clip=clip, momentum=momentum, first=batch.step == 1, apply=apply)
 
 
 class StableAdamW:
@@ -143,10 +154,10 @@ class StableAdamW:
         self.ext = ext
 
     def moments(self, batch: Any, *, beta1: float, beta2: float, bc2: float, eps: float, rms: bool) -> list[float]:
-        sums = self.ext.stable_moments(params=batch.params, grads=batch.raw_grads,
-                                       exp_avgs=batch.state("exp_avg"),
-                                       exp_avg_sqs=batch.state("exp_avg_sq"), w1=1 - beta1, beta2=beta2,
-                                       c2=1 - beta2, bc2=bc2, eps_sq=eps * eps, rms=rms)
+        sums = launch(self.ext, "stable_moments", params=batch.params, grads=batch.raw_grads,
+                      exp_avgs=batch.state("exp_avg"),
+                      exp_avg_sqs=batch.state("exp_avg_sq"), w1=1 - beta1, beta2=beta2,
+                      c2=1 - beta2, bc2=bc2, eps_sq=eps * eps, rms=rms)
         numels = torch.tensor([p.numel() for p in batch.params], dtype=torch.float64)
         return (sums[:, 0].cpu() / numels).tolist()
 
@@ -154,10 +165,10 @@ class StableAdamW:
         def floats(values: list[float]) -> Tensor:
             return torch.tensor(values, dtype=torch.float32, device=batch.params[0].device)
 
-        self.ext.stable_apply(params=_params(batch), exp_avgs=batch.state("exp_avg"),
-                              exp_avg_sqs=batch.state("exp_avg_sq"), kahan_comps=_comps(batch),
-                              scales=floats(step_sizes), keeps=floats([1 - c for c in decays]),
-                              neg_decays=floats([-c for c in decays]), bc2=bc2, eps=eps)
+        launch(self.ext, "stable_apply", params=_params(batch), exp_avgs=batch.state("exp_avg"),
+               exp_avg_sqs=batch.state("exp_avg_sq"), kahan_comps=_comps(batch),
+               scales=floats(step_sizes), keeps=floats([1 - c for c in decays]),
+               neg_decays=floats([-c for c in decays]), bc2=bc2, eps=eps)
 
 
 # name -> factory(extension module) -> kernel object

@@ -198,6 +198,13 @@ class BaseOptimizer(torch.optim.Optimizer):
                 for p in group["params"]:
                     p.grad = None
             return
+        if set_to_none and torch.compiler.is_compiling():
+            # torch's zero_grad is marked not to be traced (a graph break inside every compiled step);
+            # with set_to_none it only drops the grads
+            for group in self.param_groups:
+                for p in group["params"]:
+                    p.grad = None
+            return
         super().zero_grad(set_to_none=set_to_none)
 
     def _before_step(self, work: list[tuple[dict[str, Any], list[Tensor]]]) -> None:
@@ -272,6 +279,14 @@ class BaseOptimizer(torch.optim.Optimizer):
             states[0] is self.state.get(params[idx[0]]) for idx, states, _ in cached[1]
         ):
             return cached[1]
+        # Under torch.compile this one-off (state creation, storage checks, packing) runs eagerly: one
+        # graph break on the first step instead of tracing a zeros_like and a check per param.
+        if torch.compiler.is_compiling():
+            return _build_plan_outside_graph(self, group, params, key, per_tensor)
+        return self._build_plan(group, params, key, per_tensor)
+
+    def _build_plan(self, group: dict[str, Any], params: list[Tensor], key: tuple,
+                    per_tensor: bool) -> list[tuple[list[int], list[dict], torch.dtype]]:
         states = [self._state_for(group, p) for p in params]
         if per_tensor:
             indices = [[i] for i in range(len(params))]
@@ -433,6 +448,9 @@ class BaseOptimizer(torch.optim.Optimizer):
             saved = prepared["state"].get(saved_id)
             if saved is not None:
                 self.state[p] = dict(saved)  # torch's casts replaced by the decided dtypes
+
+
+_build_plan_outside_graph = torch.compiler.disable(BaseOptimizer._build_plan)
 
 
 def _check_grad(grad: Tensor) -> None:
