@@ -16,6 +16,7 @@ The ops write their tensors in place and return only the per-tensor sums of the 
 
 from __future__ import annotations
 
+import math
 from types import ModuleType
 from typing import Any
 
@@ -46,6 +47,22 @@ def adam(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_
                 max_exp_avg_sqs=max_exp_avg_sqs, kahan_comps=kahan_comps, param_copies=param_copies, w1=w1,
                 beta2=beta2, c2=c2, step=step, sqrt_bc2=sqrt_bc2, eps=eps, l2=l2, keep=keep, neg_decay=neg_decay,
                 apply=apply)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::adam_at_step",
+                         mutates_args=(*_STATES, "exp_avg_sqs", "max_exp_avg_sqs", "param_copies"))
+def adam_at_step(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
+                 max_exp_avg_sqs: list[Tensor], kahan_comps: list[Tensor], param_copies: list[Tensor], w1: float,
+                 beta1: float, beta2: float, c2: float, lr: float, count: int, eps: float, l2: float, keep: float,
+                 neg_decay: float, apply: bool) -> None:
+    """``adam`` with the bias corrections of step ``count`` worked out here, in Python double as the
+    eager path does (``1 - beta ** count``): the step count stays symbolic in a compiled graph, where
+    ``float`` arguments would be specialized (a recompile per step)."""
+    bc1, bc2 = 1 - beta1**count, 1 - beta2**count
+    _ext().adam(params=params, grads=grads, exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs,
+                max_exp_avg_sqs=max_exp_avg_sqs, kahan_comps=kahan_comps, param_copies=param_copies, w1=w1,
+                beta2=beta2, c2=c2, step=-lr / bc1, sqrt_bc2=math.sqrt(bc2), eps=eps, l2=l2, keep=keep,
+                neg_decay=neg_decay, apply=apply)
 
 
 @torch.library.custom_op(f"{NAMESPACE}::sgd", mutates_args=("params", "momentum_buffers", "kahan_comps"))
@@ -131,13 +148,13 @@ def _per_tensor_sums(params: list[Tensor], *args: Any, **kwargs: Any) -> Tensor:
     return torch.empty((len(params), 2), dtype=torch.float64, device=device)
 
 
-for _op in (adam, sgd, lion, adan, lamb_apply, lars, stable_apply):
+for _op in (adam, adam_at_step, sgd, lion, adan, lamb_apply, lars, stable_apply):
     _op.register_fake(_writes_in_place)
 for _op in (lamb_moments, lars_norms, stable_moments):
     _op.register_fake(_per_tensor_sums)
 
 # binding name -> its custom op
-_OPS = {fn._name: fn for fn in (adam, sgd, lion, adan, lamb_moments, lamb_apply, lars_norms, lars, stable_moments,
+_OPS = {fn._name: fn for fn in (adam, adam_at_step, sgd, lion, adan, lamb_moments, lamb_apply, lars_norms, lars, stable_moments,
                                  stable_apply)}
 OP_NAMES = tuple(_OPS)
 

@@ -56,8 +56,18 @@ def _params(batch: Any) -> list[Tensor]:
 
 def adam(ext: ModuleType) -> Callable[..., None]:
     def run(batch: Any, apply: bool, *, lr: float, beta1: float, beta2: float, eps: float, l2: float,
-            bc1: float, bc2: float, decay: float, amsgrad: bool) -> None:
+            bc1: float, bc2: float, decay: float, amsgrad: bool, count: int | None = None) -> None:
+        """``count``: the step whose bias corrections ``bc1``/``bc2`` are (``1 - beta ** count``), if
+        they are: a compiled step then hands the op the count instead of the corrections."""
         keep, neg = _decay(decay)
+        if count is not None and torch.compiler.is_compiling():
+            torch.ops.lightning_optim.adam_at_step(
+                params=_params(batch), grads=batch.raw_grads, exp_avgs=batch.state("exp_avg"),
+                exp_avg_sqs=batch.state("exp_avg_sq"),
+                max_exp_avg_sqs=batch.state("max_exp_avg_sq") if amsgrad else [], kahan_comps=_comps(batch),
+                param_copies=batch.take_copies() if apply else [], w1=1 - beta1, beta1=beta1, beta2=beta2,
+                c2=1 - beta2, lr=lr, count=count, eps=eps, l2=l2, keep=keep, neg_decay=neg, apply=apply)
+            return
         launch(ext, "adam", params=_params(batch), grads=batch.raw_grads, exp_avgs=batch.state("exp_avg"),
                exp_avg_sqs=batch.state("exp_avg_sq"),
                max_exp_avg_sqs=batch.state("max_exp_avg_sq") if amsgrad else [], kahan_comps=_comps(batch),

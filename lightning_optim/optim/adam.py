@@ -157,7 +157,8 @@ class Adam(BaseOptimizer):
         kernel = ops.kernel("adam", batch)
         if kernel is not None:  # compiled: the same math, the whole bucket in one pass
             kernel(batch, apply, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], bc1=bc1, bc2=bc2,
-                   l2=0.0 if decoupled else group["weight_decay"], decay=decay, amsgrad=group["amsgrad"])
+                   l2=0.0 if decoupled else group["weight_decay"], decay=decay, amsgrad=group["amsgrad"],
+                   count=batch.step if group["bias_correction"] else None)
             return
         grads = batch.grads if decoupled else self.with_l2(batch, group["weight_decay"])
         exp_avg, exp_avg_sq = batch.state("exp_avg"), batch.state("exp_avg_sq")

@@ -4,6 +4,7 @@ torch.compile traces our optimizer step without a graph break in lightning_optim
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -48,6 +49,9 @@ def sample_args(name: str, dtype: torch.dtype) -> dict[str, Any]:
                              max_exp_avg_sqs=fp32(5, True), kahan_comps=comps,
                              param_copies=tensors(torch.bfloat16, 6) if dtype == torch.float32 else [], w1=0.1,
                              beta2=0.999, c2=0.001, step=-0.01, sqrt_bc2=0.5, eps=1e-8, l2=0.0, apply=True, **decay),
+        "adam_at_step": lambda: dict(params=params, grads=grads, exp_avgs=fp32(3), exp_avg_sqs=fp32(4, True),
+                                     max_exp_avg_sqs=[], kahan_comps=comps, param_copies=[], w1=0.1, beta1=0.9,
+                                     beta2=0.999, c2=0.001, lr=1e-2, count=3, eps=1e-8, l2=0.01, apply=True, **decay),
         "sgd": lambda: dict(params=params, grads=grads, momentum_buffers=fp32(3), kahan_comps=comps, momentum=0.9,
                             damp_keep=1.0, l2_pre=0.01, l2_post=0.0, neg_lr=-0.1, first=False, nesterov=True,
                             apply=True, **decay),
@@ -76,6 +80,15 @@ def sample_args(name: str, dtype: torch.dtype) -> dict[str, Any]:
     return samples[name]()
 
 
+def by_binding(ext: Any, name: str, args: dict[str, Any]) -> Any:
+    """The binding the op wraps, called as the eager optimizer path calls it."""
+    if name != "adam_at_step":
+        return getattr(ext, name)(**args)
+    rest = {k: v for k, v in args.items() if k not in ("beta1", "lr", "count")}
+    bc1, bc2 = 1 - args["beta1"] ** args["count"], 1 - args["beta2"] ** args["count"]  # as Adam._update
+    return ext.adam(**rest, step=-args["lr"] / bc1, sqrt_bc2=math.sqrt(bc2))
+
+
 def copied(args: dict[str, Any]) -> dict[str, Any]:
     return {k: [t.clone() for t in v] if isinstance(v, list) else v.clone() if isinstance(v, Tensor) else v
             for k, v in args.items()}
@@ -87,7 +100,7 @@ def tensors_of(args: dict[str, Any], result: Any) -> list[Tensor]:
 
 
 def test_every_list_kernel_has_a_custom_op():
-    assert set(OP_NAMES) == {"adam", "sgd", "lion", "adan", "lamb_moments", "lamb_apply", "lars_norms", "lars",
+    assert set(OP_NAMES) == {"adam", "adam_at_step", "sgd", "lion", "adan", "lamb_moments", "lamb_apply", "lars_norms", "lars",
                              "stable_moments", "stable_apply"}
     for name in OP_NAMES:
         assert getattr(torch.ops.lightning_optim, name).default is op(name)._opoverload
@@ -103,10 +116,10 @@ def test_opcheck(ext, name, dtype):
 @pytest.mark.parametrize("name", OP_NAMES)
 def test_op_equals_the_binding_bitwise(ext, name, dtype):
     args = sample_args(name, dtype)
-    by_binding = copied(args)
+    direct = copied(args)
     got = getattr(torch.ops.lightning_optim, name)(**args)
-    want = getattr(ext, name)(**by_binding)
-    for a, b in zip(tensors_of(args, got), tensors_of(by_binding, want), strict=True):
+    want = by_binding(ext, name, direct)
+    for a, b in zip(tensors_of(args, got), tensors_of(direct, want), strict=True):
         assert torch.equal(a, b)
     untouched = sample_args(name, dtype)
     wrote = any(not torch.equal(a, b) for a, b in zip(tensors_of(args, None), tensors_of(untouched, None)))
@@ -129,7 +142,7 @@ def tiny_step(opt_cls: Callable[..., torch.optim.Optimizer], **kwargs: Any) -> t
 
 # name -> (class, arguments, the custom op its step runs)
 OPTIMIZERS = {
-    "AdamW": (lightning_optim.AdamW, dict(lr=1e-2, weight_decay=0.1), "adam"),
+    "AdamW": (lightning_optim.AdamW, dict(lr=1e-2, weight_decay=0.1), "adam_at_step"),
     "SGD": (lightning_optim.SGD, dict(lr=1e-2, momentum=0.9), "sgd"),
     "Lion": (lightning_optim.Lion, dict(lr=1e-3, weight_decay=0.1), "lion"),
 }
@@ -174,11 +187,31 @@ def test_no_graph_break_in_lightning_optim(ext, use_backend, name):
 
 
 @needs_dynamo
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_later_steps_do_not_recompile(ext, use_backend, name):
+    """The step count changes every step: it must reach the graph symbolically, not as a constant."""
+    from torch._dynamo.testing import CompileCounter
+
+    use_backend("cpu")
+    cls, kwargs, _ = OPTIMIZERS[name]
+    step_fn, _ = tiny_step(cls, **kwargs)
+    counter = CompileCounter()
+    compiled = torch.compile(step_fn, backend=counter)
+    torch._dynamo.reset()
+    for _ in range(3):  # the first step, then the one where the step count turns dynamic
+        compiled()
+    frames = counter.frame_count
+    for _ in range(5):
+        compiled()
+    assert counter.frame_count == frames
+
+
+@needs_dynamo
 def test_the_break_check_sees_a_break_in_lightning_optim(ext, use_backend, monkeypatch):
     """The check above can fail: the step as it was before the custom ops (pybind calls) is caught."""
     use_backend("cpu")
     monkeypatch.setattr(fused, "launch", lambda ext, name, **kwargs: getattr(ext, name)(**kwargs))
-    step_fn, _ = tiny_step(lightning_optim.AdamW)
+    step_fn, _ = tiny_step(lightning_optim.SGD, lr=1e-2, momentum=0.9)
     step_fn()
     breaks, _ = explain(step_fn)
     assert any("marked as skipped" in b for b in breaks), breaks  # the pybind kernel, called from our step
