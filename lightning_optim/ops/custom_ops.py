@@ -154,8 +154,8 @@ for _op in (lamb_moments, lars_norms, stable_moments):
     _op.register_fake(_per_tensor_sums)
 
 # binding name -> its custom op
-_OPS = {fn._name: fn for fn in (adam, adam_at_step, sgd, lion, adan, lamb_moments, lamb_apply, lars_norms, lars, stable_moments,
-                                 stable_apply)}
+_OPS = {fn._name: fn for fn in (adam, adam_at_step, sgd, lion, adan, lamb_moments, lamb_apply, lars_norms, lars,
+                                 stable_moments, stable_apply)}
 OP_NAMES = tuple(_OPS)
 
 

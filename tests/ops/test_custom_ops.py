@@ -100,8 +100,8 @@ def tensors_of(args: dict[str, Any], result: Any) -> list[Tensor]:
 
 
 def test_every_list_kernel_has_a_custom_op():
-    assert set(OP_NAMES) == {"adam", "adam_at_step", "sgd", "lion", "adan", "lamb_moments", "lamb_apply", "lars_norms", "lars",
-                             "stable_moments", "stable_apply"}
+    assert set(OP_NAMES) == {"adam", "adam_at_step", "sgd", "lion", "adan", "lamb_moments", "lamb_apply",
+                             "lars_norms", "lars", "stable_moments", "stable_apply"}
     for name in OP_NAMES:
         assert getattr(torch.ops.lightning_optim, name).default is op(name)._opoverload
 
