@@ -14,21 +14,20 @@ from __future__ import annotations
 import warnings
 from typing import Any, ClassVar
 
-from lightning_optim.lightning._rank_checkpoints import rank_file
+from lightning_optim.lightning._rank_checkpoints import _RestoresPerRankModel, rank_file
 
 __all__ = ["HOOK_CHECKPOINT_KEY", "_HookCheckpointMixin"]
 
 HOOK_CHECKPOINT_KEY = "lightning_optim_comm_hook"
 
 
-class _HookCheckpointMixin:
+class _HookCheckpointMixin(_RestoresPerRankModel):
     """For ``class X(_HookCheckpointMixin, DDPStrategy)`` with ``hook_name`` and ``_hook_state``."""
 
     hook_name: ClassVar[str]
     _per_rank_params: ClassVar[bool] = False  # the ranks' params differ (decentralized): keep each rank's
     _hook_state: Any = None
     _pending_hook_state: dict[str, Any] | None = None
-    _per_rank_model_state: dict[str, Any] | None = None
 
     def _restore_hook_state(self) -> None:
         if self._hook_state is not None and self._pending_hook_state is not None:
@@ -89,9 +88,3 @@ class _HookCheckpointMixin:
         self._restore_hook_state()  # when the hook is already registered
         return checkpoint
 
-    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        super().load_optimizer_state_dict(checkpoint)
-        if self._per_rank_model_state is not None:
-            # DDP broadcast rank 0's params when it wrapped the model; this rank's own come back now.
-            self.lightning_module.load_state_dict(self._per_rank_model_state)
-            self._per_rank_model_state = None

@@ -26,10 +26,22 @@ def rank_file(checkpoint_path: Any, rank: int) -> str:
     return f"{checkpoint_path}.rank{rank}.pt"
 
 
-class _PerRankCheckpointMixin:
-    """For ``class X(_PerRankCheckpointMixin, DDPStrategy)``."""
+class _RestoresPerRankModel:
+    """After the optimizer states load, this rank's own params (saved when they differ per rank) come back:
+    DDP broadcast rank 0's when it wrapped the model. Set ``_per_rank_model_state`` while loading."""
 
     _per_rank_model_state: dict[str, Any] | None = None
+
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        super().load_optimizer_state_dict(checkpoint)
+        if self._per_rank_model_state is not None:
+            self.lightning_module.load_state_dict(self._per_rank_model_state)
+            self._per_rank_model_state = None
+
+
+class _PerRankCheckpointMixin(_RestoresPerRankModel):
+    """For ``class X(_PerRankCheckpointMixin, DDPStrategy)``."""
+
 
     def _per_rank_optimizer(self) -> Any:
         """The optimizer whose state is partly per rank (None: none)."""
@@ -112,9 +124,3 @@ class _PerRankCheckpointMixin:
             self._per_rank_model_state = payload["state_dict"]
         return checkpoint
 
-    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        super().load_optimizer_state_dict(checkpoint)
-        if self._per_rank_model_state is not None:
-            # DDP broadcast rank 0's params when it wrapped the model; this rank's own come back now.
-            self.lightning_module.load_state_dict(self._per_rank_model_state)
-            self._per_rank_model_state = None
