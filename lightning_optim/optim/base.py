@@ -191,16 +191,10 @@ class BaseOptimizer(torch.optim.Optimizer):
         if param is not None:
             param.grad = None if set_to_none or param.grad is None else param.grad.detach().zero_()
             return
-        if self._released:
-            # one process: the hooks already freed every gradient. Under DDP, DDP's finalize wrote
-            # the averaged grads back after the hooks stepped: drop them (see release_ddp)
-            for group in self.param_groups:
-                for p in group["params"]:
-                    p.grad = None
-            return
-        if set_to_none and torch.compiler.is_compiling():
-            # torch's zero_grad is marked not to be traced (a graph break inside every compiled step);
-            # with set_to_none it only drops the grads
+        # Released: the hooks already freed every gradient (under DDP, DDP's finalize wrote the averaged
+        # grads back after the hooks stepped: drop them, see release_ddp). Compiling: torch's zero_grad is
+        # marked not to be traced (a graph break in every compiled step); set_to_none only drops the grads.
+        if self._released or (set_to_none and torch.compiler.is_compiling()):
             for group in self.param_groups:
                 for p in group["params"]:
                     p.grad = None
