@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -133,7 +134,36 @@ def _build(verbose: bool) -> ModuleType:
     if stale:
         took = time.perf_counter() - started
         print(f"lightning-optim: kernels ready in {took:.0f} s ({build_dir})", file=sys.stderr, flush=True)
+    check_shared_cxx_runtime(Path(module.__file__))
     return module
+
+
+def needed_libraries(library: Path) -> list[str] | None:
+    """The DT_NEEDED entries of a shared library (``readelf -d``); None where that cannot be read."""
+    readelf = shutil.which("readelf")
+    if readelf is None or not sys.platform.startswith("linux"):
+        return None
+    out = subprocess.run([readelf, "-d", str(library)], capture_output=True, text=True)
+    if out.returncode != 0:
+        return None
+    return [line.split("[", 1)[1].split("]", 1)[0] for line in out.stdout.splitlines() if "(NEEDED)" in line]
+
+
+def check_shared_cxx_runtime(library: Path) -> None:
+    """Refuse a module that carries its own copy of the C++ runtime.
+
+    A compiler configured to link libstdc++ statically (seen: a CUDA image whose ``CXX`` was such a
+    GCC) puts a second libstdc++ in the process beside torch's: iostream locale ids then differ and
+    the first error message the bindings format (any refused argument) crashes the process.
+    """
+    needed = needed_libraries(library)
+    if needed is None or any(lib.startswith(("libstdc++", "libc++")) for lib in needed):
+        return
+    compiler = os.environ.get("CXX", "c++")
+    raise BuildError(
+        f"{library.name} links the C++ runtime statically (the compiler {compiler!r} does that), which crashes "
+        f"beside torch's libstdc++; set CXX to a compiler that links libstdc++ dynamically (e.g. CXX=/usr/bin/g++), "
+        f"delete {library.parent} and build again")
 
 
 def _short_reason(exc: BaseException) -> str:

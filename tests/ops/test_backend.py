@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -94,3 +96,27 @@ def test_build_command(ext):
                          timeout=600)
     assert out.returncode == 0, out.stderr
     assert "kernels built in" in out.stdout and "backends: cpu" in out.stdout
+
+
+def _shared_library(tmp_path, name: str, flags: list[str]):
+    source = tmp_path / "lib.cpp"
+    source.write_text('#include <sstream>\n#include <string>\nstd::string fmt(long v) { std::ostringstream s; s << v; '
+                      'return s.str(); }\n')
+    out = tmp_path / name
+    subprocess.run(["g++", "-shared", "-fPIC", *flags, str(source), "-o", str(out)], check=True)
+    return out
+
+
+@pytest.mark.skipif(shutil.which("g++") is None or shutil.which("readelf") is None, reason="needs g++ and readelf")
+def test_static_cxx_runtime_is_refused(tmp_path):
+    """A library with its own libstdc++ copy is refused with the remedy; a normal one and ours pass."""
+    dynamic = _shared_library(tmp_path, "dynamic.so", [])
+    static = _shared_library(tmp_path, "static.so", ["-static-libstdc++"])
+    assert any(lib.startswith("libstdc++") for lib in _loader.needed_libraries(dynamic))
+    _loader.check_shared_cxx_runtime(dynamic)
+    with pytest.raises(_loader.BuildError, match="CXX=/usr/bin/g\\+\\+"):
+        _loader.check_shared_cxx_runtime(static)
+
+
+def test_built_extension_links_the_shared_runtime(ext):
+    _loader.check_shared_cxx_runtime(Path(ext.__file__))
