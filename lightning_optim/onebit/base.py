@@ -63,6 +63,8 @@ class OnebitOptimizer(CommunicatingOptimizer, OnebitStateDictMixin, MomentumMask
     * ``_needs_average(t)``: whether step ``t`` consumes rank-averaged full-precision gradients.
     """
 
+    _tensor_lr = False  # the 1-bit steps use the lr in their own Python math
+
     _flat_keys: tuple[str, ...] = ("exp_avg", "exp_avg_sq")
     _lazy_flat_keys: tuple[str, ...] = ()  # flat states created only in a later stage
     _plain_state_extras: tuple[str, ...] = ()  # per-param keys a full-precision state may bring along
@@ -339,7 +341,7 @@ class OnebitOptimizer(CommunicatingOptimizer, OnebitStateDictMixin, MomentumMask
         kernel = None if group["eps_inside_sqrt"] else ops.kernel("adam", batch)
         if kernel is not None:
             kernel(batch, True, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], l2=0.0, bc1=bc1, bc2=bc2,
-                   decay=decay, amsgrad=False)
+                   decay_rule=(group["weight_decay"], 0.0), amsgrad=False)
             return
         exp_avg, exp_avg_sq = batch.state("exp_avg"), batch.state("exp_avg_sq")
         adam_first_moment_(exp_avg, batch.grads, beta1)

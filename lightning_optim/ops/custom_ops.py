@@ -5,7 +5,9 @@ through ``torch.library.custom_op`` with the tensors they write named in ``mutat
 implementation, the kernels become single nodes of the traced graph instead.
 
 Each op has the name, the arguments and the argument order of the binding it wraps
-(csrc/bindings.cpp), and its real implementation calls that binding. The eager optimizer step does
+(csrc/bindings.cpp), and its real implementation calls that binding; ``adam_at_step``, ``sgd_at_lr``
+and ``lion_at_lr``, what a compiled step calls, take the step count and the lr instead of the scalars
+derived from them. The eager optimizer step does
 not go through the dispatcher (see :func:`lightning_optim.ops.fused.launch`): boxing five lists of
 thousands of tensors and bumping their version counters in Python costs more than the step itself
 on small-tensor layouts; the two routes run the same binding.
@@ -24,6 +26,7 @@ import torch
 from torch import Tensor
 
 from lightning_optim.ops import _loader
+from lightning_optim.ops.fused import decay_coefficient
 
 __all__ = ["NAMESPACE", "OP_NAMES", "op"]
 
@@ -49,20 +52,49 @@ def adam(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_
                 apply=apply)
 
 
+# ------------------------------------------------------------------ what a compiled step calls
+# The values that change between steps reach these as a symbolic int (the step count) or a 0-dim
+# tensor (the lr), never as a float: dynamo specializes float arguments, so a scheduled lr or the bias
+# corrections would recompile the step every iteration. Each works out, in Python double as the eager
+# step does, the scalars the binding takes (``-lr / bc1``, the decay's keep / neg_decay).
+def _decay_args(lr: float, wd: float, max_lr: float) -> dict[str, float]:
+    decay = decay_coefficient(lr, wd, max_lr)
+    return dict(keep=1 - decay, neg_decay=-decay)
+
+
 @torch.library.custom_op(f"{NAMESPACE}::adam_at_step",
                          mutates_args=(*_STATES, "exp_avg_sqs", "max_exp_avg_sqs", "param_copies"))
 def adam_at_step(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
                  max_exp_avg_sqs: list[Tensor], kahan_comps: list[Tensor], param_copies: list[Tensor], w1: float,
-                 beta1: float, beta2: float, c2: float, lr: float, count: int, eps: float, l2: float, keep: float,
-                 neg_decay: float, apply: bool) -> None:
-    """``adam`` with the bias corrections of step ``count`` worked out here, in Python double as the
-    eager path does (``1 - beta ** count``): the step count stays symbolic in a compiled graph, where
-    ``float`` arguments would be specialized (a recompile per step)."""
+                 beta1: float, beta2: float, c2: float, lr: Tensor, count: int, eps: float, l2: float, wd: float,
+                 max_lr: float, apply: bool) -> None:
+    """``adam`` at step ``count`` (bias corrections ``1 - beta ** count``) with the lr ``lr`` holds now."""
+    lr_now = lr.item()
     bc1, bc2 = 1 - beta1**count, 1 - beta2**count
     _ext().adam(params=params, grads=grads, exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs,
                 max_exp_avg_sqs=max_exp_avg_sqs, kahan_comps=kahan_comps, param_copies=param_copies, w1=w1,
-                beta2=beta2, c2=c2, step=-lr / bc1, sqrt_bc2=math.sqrt(bc2), eps=eps, l2=l2, keep=keep,
-                neg_decay=neg_decay, apply=apply)
+                beta2=beta2, c2=c2, step=-lr_now / bc1, sqrt_bc2=math.sqrt(bc2), eps=eps, l2=l2, apply=apply,
+                **_decay_args(lr_now, wd, max_lr))
+
+
+@torch.library.custom_op(f"{NAMESPACE}::sgd_at_lr", mutates_args=("params", "momentum_buffers", "kahan_comps"))
+def sgd_at_lr(params: list[Tensor], grads: list[Tensor], momentum_buffers: list[Tensor], kahan_comps: list[Tensor],
+              momentum: float, damp_keep: float, l2_pre: float, l2_post: float, lr: Tensor, first: bool,
+              nesterov: bool, wd: float, max_lr: float, apply: bool) -> None:
+    """``sgd`` with the lr ``lr`` holds now."""
+    lr_now = lr.item()
+    _ext().sgd(params=params, grads=grads, momentum_buffers=momentum_buffers, kahan_comps=kahan_comps,
+               momentum=momentum, damp_keep=damp_keep, l2_pre=l2_pre, l2_post=l2_post, neg_lr=-lr_now, first=first,
+               nesterov=nesterov, apply=apply, **_decay_args(lr_now, wd, max_lr))
+
+
+@torch.library.custom_op(f"{NAMESPACE}::lion_at_lr", mutates_args=_STATES)
+def lion_at_lr(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], kahan_comps: list[Tensor],
+               w1: float, w2: float, lr: Tensor, wd: float, max_lr: float, apply: bool) -> None:
+    """``lion`` with the lr ``lr`` holds now."""
+    lr_now = lr.item()
+    _ext().lion(params=params, grads=grads, exp_avgs=exp_avgs, kahan_comps=kahan_comps, w1=w1, w2=w2,
+                neg_lr=-lr_now, apply=apply, **_decay_args(lr_now, wd, max_lr))
 
 
 @torch.library.custom_op(f"{NAMESPACE}::sgd", mutates_args=("params", "momentum_buffers", "kahan_comps"))
@@ -148,14 +180,14 @@ def _per_tensor_sums(params: list[Tensor], *args: Any, **kwargs: Any) -> Tensor:
     return torch.empty((len(params), 2), dtype=torch.float64, device=device)
 
 
-for _op in (adam, adam_at_step, sgd, lion, adan, lamb_apply, lars, stable_apply):
+for _op in (adam, adam_at_step, sgd, sgd_at_lr, lion, lion_at_lr, adan, lamb_apply, lars, stable_apply):
     _op.register_fake(_writes_in_place)
 for _op in (lamb_moments, lars_norms, stable_moments):
     _op.register_fake(_per_tensor_sums)
 
-# binding name -> its custom op
-_OPS = {fn._name: fn for fn in (adam, adam_at_step, sgd, lion, adan, lamb_moments, lamb_apply, lars_norms, lars,
-                                 stable_moments, stable_apply)}
+# op name (the binding's, or a compiled step's variant) -> the custom op
+_OPS = {fn._name: fn for fn in (adam, adam_at_step, sgd, sgd_at_lr, lion, lion_at_lr, adan, lamb_moments, lamb_apply,
+                                 lars_norms, lars, stable_moments, stable_apply)}
 OP_NAMES = tuple(_OPS)
 
 

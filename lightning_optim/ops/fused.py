@@ -45,8 +45,23 @@ def _comps(batch: Any) -> list[Tensor]:
     return batch.state("kahan_comp") if "kahan_comp" in batch.states[0] else []
 
 
+def decay_coefficient(lr: float, wd: float, max_lr: float = 0.0) -> float:
+    """The coefficient ``c`` of a decoupled decay ``p <- p - c p``: ``wd * lr`` (torch's AdamW), or
+    ``wd * lr / max_lr`` (fully decoupled, ``max_lr > 0``); 0 without decay. One formula for the eager
+    step and the compiled ops, which work it out from a tensor lr at run time."""
+    if wd == 0:
+        return 0.0
+    return wd * lr / max_lr if max_lr > 0 else wd * lr
+
+
 def _decay(decay: float) -> tuple[float, float]:
     return 1 - decay, -decay  # keep, neg_decay: torch's p * (1 - c) and p * (-c)
+
+
+def _lr_tensor(lr: float | Tensor) -> Tensor:
+    """The lr as the 0-dim tensor the compiled ops take: a tensor lr as it is (its value is read when
+    the op runs, so an LR scheduler's ``fill_`` needs no recompile), a float exactly (float64)."""
+    return lr if isinstance(lr, Tensor) else torch.tensor(lr, dtype=torch.float64)
 
 
 def _params(batch: Any) -> list[Tensor]:
@@ -55,19 +70,21 @@ def _params(batch: Any) -> list[Tensor]:
 
 
 def adam(ext: ModuleType) -> Callable[..., None]:
-    def run(batch: Any, apply: bool, *, lr: float, beta1: float, beta2: float, eps: float, l2: float,
-            bc1: float, bc2: float, decay: float, amsgrad: bool, count: int | None = None) -> None:
+    def run(batch: Any, apply: bool, *, lr: float | Tensor, beta1: float, beta2: float, eps: float, l2: float,
+            bc1: float, bc2: float, decay_rule: tuple[float, float], amsgrad: bool, count: int | None = None) -> None:
         """``count``: the step whose bias corrections ``bc1``/``bc2`` are (``1 - beta ** count``), if
-        they are: a compiled step then hands the op the count instead of the corrections."""
-        keep, neg = _decay(decay)
+        they are: a compiled step then hands the op the count instead of the corrections.
+        ``decay_rule``: ``(wd, max_lr)`` of :func:`decay_coefficient`. ``lr`` is a tensor only while compiling."""
         if count is not None and torch.compiler.is_compiling():
             torch.ops.lightning_optim.adam_at_step(
                 params=_params(batch), grads=batch.raw_grads, exp_avgs=batch.state("exp_avg"),
                 exp_avg_sqs=batch.state("exp_avg_sq"),
                 max_exp_avg_sqs=batch.state("max_exp_avg_sq") if amsgrad else [], kahan_comps=_comps(batch),
                 param_copies=batch.take_copies() if apply else [], w1=1 - beta1, beta1=beta1, beta2=beta2,
-                c2=1 - beta2, lr=lr, count=count, eps=eps, l2=l2, keep=keep, neg_decay=neg, apply=apply)
+                c2=1 - beta2, lr=_lr_tensor(lr), count=count, eps=eps, l2=l2, wd=decay_rule[0],
+                max_lr=decay_rule[1], apply=apply)
             return
+        keep, neg = _decay(decay_coefficient(lr, *decay_rule))
         launch(ext, "adam", params=_params(batch), grads=batch.raw_grads, exp_avgs=batch.state("exp_avg"),
                exp_avg_sqs=batch.state("exp_avg_sq"),
                max_exp_avg_sqs=batch.state("max_exp_avg_sq") if amsgrad else [], kahan_comps=_comps(batch),
@@ -77,23 +94,30 @@ def adam(ext: ModuleType) -> Callable[..., None]:
 
 
 def sgd(ext: ModuleType) -> Callable[..., None]:
-    def run(batch: Any, apply: bool, *, lr: float, momentum: float, dampening: float, nesterov: bool,
-            l2_pre: float, l2_post: float, decay: float) -> None:
-        keep, neg = _decay(decay)
+    def run(batch: Any, apply: bool, *, lr: float | Tensor, momentum: float, dampening: float, nesterov: bool,
+            l2_pre: float, l2_post: float, decay_rule: tuple[float, float]) -> None:
         bufs = batch.state("momentum_buffer") if momentum != 0 else []
-        launch(ext, "sgd", params=_params(batch), grads=batch.raw_grads, momentum_buffers=bufs,
-               kahan_comps=_comps(batch), momentum=momentum, damp_keep=1 - dampening, l2_pre=l2_pre,
-               l2_post=l2_post, neg_lr=-lr, first=batch.step == 1, nesterov=nesterov, keep=keep,
-               neg_decay=neg, apply=apply)
+        common = dict(params=_params(batch), grads=batch.raw_grads, momentum_buffers=bufs, kahan_comps=_comps(batch),
+                      momentum=momentum, damp_keep=1 - dampening, l2_pre=l2_pre, l2_post=l2_post,
+                      first=batch.step == 1, nesterov=nesterov, apply=apply)
+        if torch.compiler.is_compiling():
+            torch.ops.lightning_optim.sgd_at_lr(**common, lr=_lr_tensor(lr), wd=decay_rule[0], max_lr=decay_rule[1])
+            return
+        keep, neg = _decay(decay_coefficient(lr, *decay_rule))
+        ext.sgd(**common, neg_lr=-lr, keep=keep, neg_decay=neg)
     return run
 
 
 def lion(ext: ModuleType) -> Callable[..., None]:
-    def run(batch: Any, apply: bool, *, lr: float, beta1: float, beta2: float, decay: float) -> None:
-        keep, neg = _decay(decay)
-        launch(ext, "lion", params=_params(batch), grads=batch.raw_grads, exp_avgs=batch.state("exp_avg"),
-               kahan_comps=_comps(batch), w1=1 - beta1, w2=1 - beta2, neg_lr=-lr, keep=keep, neg_decay=neg,
-               apply=apply)
+    def run(batch: Any, apply: bool, *, lr: float | Tensor, beta1: float, beta2: float,
+            decay_rule: tuple[float, float]) -> None:
+        common = dict(params=_params(batch), grads=batch.raw_grads, exp_avgs=batch.state("exp_avg"),
+                      kahan_comps=_comps(batch), w1=1 - beta1, w2=1 - beta2, apply=apply)
+        if torch.compiler.is_compiling():
+            torch.ops.lightning_optim.lion_at_lr(**common, lr=_lr_tensor(lr), wd=decay_rule[0], max_lr=decay_rule[1])
+            return
+        keep, neg = _decay(decay_coefficient(lr, *decay_rule))
+        ext.lion(**common, neg_lr=-lr, keep=keep, neg_decay=neg)
     return run
 
 

@@ -60,6 +60,7 @@ def adam_deltas(
 
 
 class Adam(BaseOptimizer):
+
     r"""Adam, with torch's arguments plus FusedAdam's ``adam_w_mode`` and ``bias_correction``.
 
     At step :math:`t` with gradient :math:`g` (L2 mode adds :math:`\lambda p` to :math:`g`):
@@ -85,6 +86,8 @@ class Adam(BaseOptimizer):
         fused: accepted for torch compatibility; the fastest available path is always taken.
         foreach, kahan_sum, decouple_lr, max_lr, fp32_state: see :class:`BaseOptimizer`.
     """
+
+    _compiled_tensor_lr = True  # the step hands a tensor lr to adam_at_step
 
     def __init__(
         self,
@@ -153,13 +156,15 @@ class Adam(BaseOptimizer):
         bc1, bc2 = 1.0, 1.0
         if group["bias_correction"]:
             bc1, bc2 = 1 - beta1**batch.step, 1 - beta2**batch.step
-        decay = self.decoupled_decay(group) if decoupled else 0.0
         kernel = ops.kernel("adam", batch)
         if kernel is not None:  # compiled: the same math, the whole bucket in one pass
             kernel(batch, apply, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], bc1=bc1, bc2=bc2,
-                   l2=0.0 if decoupled else group["weight_decay"], decay=decay, amsgrad=group["amsgrad"],
+                   l2=0.0 if decoupled else group["weight_decay"],
+                   decay_rule=self.decay_rule(group) if decoupled else (0.0, 0.0), amsgrad=group["amsgrad"],
                    count=batch.step if group["bias_correction"] else None)
             return
+        group = self.with_float_lr(group)  # a compiled step on the torch path reads a tensor lr here
+        decay = self.decoupled_decay(group) if decoupled else 0.0
         grads = batch.grads if decoupled else self.with_l2(batch, group["weight_decay"])
         exp_avg, exp_avg_sq = batch.state("exp_avg"), batch.state("exp_avg_sq")
         adam_first_moment_(exp_avg, grads, beta1)

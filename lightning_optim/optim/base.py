@@ -32,11 +32,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_optim.ops.fused import decay_coefficient
 from lightning_optim.optim.batch import LOW_PRECISION, Batch, bucket_slices
 from lightning_optim.optim.bucket_states import check_state, pack_states
 from lightning_optim.optim.state_dicts import prepare_state_dict
 from lightning_optim.optim.validation import (
     check_flag,
+    check_lr,
     check_non_negative,
     check_optional_flag,
     check_positive,
@@ -66,6 +68,11 @@ class BaseOptimizer(torch.optim.Optimizer):
 
     # Our step writes the rounded 16-bit copies of fp32 master params (set_param_copies).
     writes_param_copies = True
+    # lr may be a 0-dim tensor (as in torch.optim, for torch.compile with an LR scheduler: the scheduler
+    # fills it in place, the compiled step reads it at run time); the eager step reads it as a float.
+    _tensor_lr = True
+    # The compiled step of this class hands a tensor lr to its custom op (no .item() in the graph).
+    _compiled_tensor_lr = False
 
     def __init__(self, params: ParamsT, defaults: dict[str, Any]) -> None:
         self._optimizer_accumulation = False
@@ -98,7 +105,7 @@ class BaseOptimizer(torch.optim.Optimizer):
                 raise TypeError(f"params: complex parameters are not supported (got {p.dtype})")
             if isinstance(p, Tensor) and not p.is_floating_point():
                 raise TypeError(f"params: only floating-point parameters can be optimized (got {p.dtype})")
-        check_non_negative("lr", merged["lr"])
+        check_lr(merged["lr"], type(self).__name__, tensor_ok=self._tensor_lr)
         check_non_negative("weight_decay", merged.get("weight_decay", 0.0))
         for flag in ("decouple_lr", "maximize"):
             if flag in merged:
@@ -316,6 +323,8 @@ class BaseOptimizer(torch.optim.Optimizer):
         if group.get("maximize"):
             grads = torch._foreach_neg(grads)
         batch = Batch(params, grads, states, step, dtype)
+        if not (self._compiled_tensor_lr and torch.compiler.is_compiling()):
+            group = self.with_float_lr(group)  # compiled Adam/SGD/Lion hand the tensor to their op instead
         copies = [self._param_copies.get(id(p)) for p in params] if apply and self._param_copies else []
         if copies and all(c is not None for c in copies):
             batch.copies = copies  # a kernel may write them in its own pass
@@ -331,18 +340,24 @@ class BaseOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ helpers for subclasses
     @staticmethod
-    def decoupled_decay(group: dict[str, Any], lr: float | None = None) -> float:
+    def decay_rule(group: dict[str, Any]) -> tuple[float, float]:
+        """``(wd, max_lr)`` of :func:`~lightning_optim.ops.fused.decay_coefficient` for ``group``
+        (``max_lr`` 0: torch's ``lr * wd``)."""
+        return group.get("weight_decay", 0.0), float(group["max_lr"]) if group.get("decouple_lr") else 0.0
+
+    @classmethod
+    def decoupled_decay(cls, group: dict[str, Any], lr: float | None = None) -> float:
         """The coefficient ``c`` of a decoupled decay ``p <- p - c p`` (0 when not decoupled).
 
         ``lr`` overrides the group's lr (StableAdamW decays with its clipped lr).
         """
-        wd = group.get("weight_decay", 0.0)
-        if wd == 0:
-            return 0.0
-        lr = group["lr"] if lr is None else lr
-        if group.get("decouple_lr"):
-            return wd * lr / group["max_lr"]
-        return wd * lr
+        return decay_coefficient(group["lr"] if lr is None else lr, *cls.decay_rule(group))
+
+    @staticmethod
+    def with_float_lr(group: dict[str, Any]) -> dict[str, Any]:
+        """``group``, or a shallow copy with a 0-dim tensor lr read as a float (the lr the step uses)."""
+        lr = group["lr"]
+        return {**group, "lr": lr.item()} if isinstance(lr, Tensor) else group
 
     @staticmethod
     def with_l2(batch: Batch, weight_decay: float, grads: list[Tensor] | None = None) -> list[Tensor]:

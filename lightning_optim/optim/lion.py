@@ -47,6 +47,8 @@ class Lion(BaseOptimizer):
         kahan_sum, foreach, fp32_state: see :class:`BaseOptimizer`.
     """
 
+    _compiled_tensor_lr = True  # the step hands a tensor lr to lion_at_lr
+
     def __init__(
         self,
         params: ParamsT,
@@ -86,8 +88,9 @@ class Lion(BaseOptimizer):
         beta1, beta2 = group["betas"]
         kernel = ops.kernel("lion", batch)
         if kernel is not None:  # compiled: the same math, the whole bucket in one pass
-            kernel(batch, apply, lr=group["lr"], beta1=beta1, beta2=beta2, decay=self.decoupled_decay(group))
+            kernel(batch, apply, lr=group["lr"], beta1=beta1, beta2=beta2, decay_rule=self.decay_rule(group))
             return
+        group = self.with_float_lr(group)  # a compiled step on the torch path reads a tensor lr here
         exp_avg = batch.state("exp_avg")
         if apply:
             # the sign of the interpolation, taken before the moving average moves on

@@ -48,6 +48,8 @@ class SGD(BaseOptimizer):
     not used as L2). ``wd_after_momentum`` is ColossalAI/apex FusedSGD's flag.
     """
 
+    _compiled_tensor_lr = True  # the step hands a tensor lr to sgd_at_lr
+
     _implied_step = 1  # torch's SGD keeps no step count; a momentum buffer means >= 1 step
 
     def __init__(
@@ -109,13 +111,15 @@ class SGD(BaseOptimizer):
 
     def _update(self, group: dict[str, Any], batch: Batch, apply: bool) -> None:
         l2 = 0.0 if group["decouple_lr"] else group["weight_decay"]
-        decay = self.decoupled_decay(group) if group["decouple_lr"] else 0.0
         kernel = ops.kernel("sgd", batch)
         if kernel is not None:  # compiled: the same math, the whole bucket in one pass
             after = group["wd_after_momentum"]
             kernel(batch, apply, lr=group["lr"], momentum=group["momentum"], dampening=group["dampening"],
-                   nesterov=group["nesterov"], l2_pre=0.0 if after else l2, l2_post=l2 if after else 0.0, decay=decay)
+                   nesterov=group["nesterov"], l2_pre=0.0 if after else l2, l2_post=l2 if after else 0.0,
+                   decay_rule=self.decay_rule(group) if group["decouple_lr"] else (0.0, 0.0))
             return
+        group = self.with_float_lr(group)  # a compiled step on the torch path reads a tensor lr here
+        decay = self.decoupled_decay(group) if group["decouple_lr"] else 0.0
         d = batch.grads if group["wd_after_momentum"] else self.with_l2(batch, l2)
         d = momentum_direction(group, batch, d)
         if not apply:
