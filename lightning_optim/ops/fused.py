@@ -182,27 +182,33 @@ class Lars:
 
 
 class StableAdamW:
-    """StableAdamW: moments and the per-tensor RMS in one pass, then the clipped-lr step."""
+    """StableAdamW: moments and the per-tensor RMS in one pass, then the clipped-lr step.
+
+    The clipped lr of each tensor, ``lr_t = lr / max(1, sqrt(mean(g^2 / max(v_hat, eps^2))))``, its step
+    size ``-lr_t / bc1`` and decay are worked out in float64 tensor ops on the params' device (the same
+    double arithmetic as Python floats, ``max`` included: a NaN mean gives ``lr``), so nothing is read
+    back to the host: no sync on a GPU, no data-dependent graph break under torch.compile."""
 
     def __init__(self, ext: ModuleType) -> None:
         self.ext = ext
 
-    def moments(self, batch: Any, *, beta1: float, beta2: float, bc2: float, eps: float, rms: bool) -> list[float]:
+    def step(self, batch: Any, apply: bool, *, lr: float, beta1: float, beta2: float, bc1: float, bc2: float,
+             eps: float, decay_rule: tuple[float, float]) -> None:
         sums = launch(self.ext, "stable_moments", params=batch.params, grads=batch.raw_grads,
-                      exp_avgs=batch.state("exp_avg"),
-                      exp_avg_sqs=batch.state("exp_avg_sq"), w1=1 - beta1, beta2=beta2,
-                      c2=1 - beta2, bc2=bc2, eps_sq=eps * eps, rms=rms)
-        numels = torch.tensor([p.numel() for p in batch.params], dtype=torch.float64)
-        return (sums[:, 0].cpu() / numels).tolist()
-
-    def apply(self, batch: Any, *, step_sizes: list[float], decays: list[float], bc2: float, eps: float) -> None:
-        def floats(values: list[float]) -> Tensor:
-            return torch.tensor(values, dtype=torch.float32, device=batch.params[0].device)
-
+                      exp_avgs=batch.state("exp_avg"), exp_avg_sqs=batch.state("exp_avg_sq"), w1=1 - beta1,
+                      beta2=beta2, c2=1 - beta2, bc2=bc2, eps_sq=eps * eps, rms=apply)
+        if not apply:
+            return
+        numels = torch.tensor([p.numel() for p in batch.params], dtype=torch.float64, device=sums.device)
+        rms = torch.sqrt(sums[:, 0] / numels)
+        lrs = lr / torch.where(rms > 1.0, rms, 1.0)
+        wd, max_lr = decay_rule
+        decays = (wd * lrs / max_lr if max_lr > 0 else wd * lrs) if wd != 0 else torch.zeros_like(lrs)
+        device = batch.params[0].device
         launch(self.ext, "stable_apply", params=_params(batch), exp_avgs=batch.state("exp_avg"),
                exp_avg_sqs=batch.state("exp_avg_sq"), kahan_comps=_comps(batch),
-               scales=floats(step_sizes), keeps=floats([1 - c for c in decays]),
-               neg_decays=floats([-c for c in decays]), bc2=bc2, eps=eps)
+               scales=(-lrs / bc1).to(device, torch.float32), keeps=(1 - decays).to(device, torch.float32),
+               neg_decays=(-decays).to(device, torch.float32), bc2=bc2, eps=eps)
 
 
 # name -> factory(extension module) -> kernel object

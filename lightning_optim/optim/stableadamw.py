@@ -95,11 +95,8 @@ class StableAdamW(BaseOptimizer):
         kernel = ops.kernel("stableadamw", batch)
         if kernel is not None:  # compiled: moments + RMS in one pass, the step in a second
             bc1, bc2 = 1 - beta1**batch.step, 1 - beta2**batch.step
-            means = kernel.moments(batch, beta1=beta1, beta2=beta2, bc2=bc2, eps=eps, rms=apply)
-            if apply:
-                lrs = self._clipped_lrs(group, means)
-                kernel.apply(batch, step_sizes=[-lr_t / bc1 for lr_t in lrs], bc2=bc2, eps=eps,
-                             decays=[self.decoupled_decay(group, lr=lr_t) for lr_t in lrs])
+            kernel.step(batch, apply, lr=group["lr"], beta1=beta1, beta2=beta2, bc1=bc1, bc2=bc2, eps=eps,
+                        decay_rule=self.decay_rule(group))
             return
         exp_avg, exp_avg_sq = batch.state("exp_avg"), batch.state("exp_avg_sq")
         torch._foreach_lerp_(exp_avg, grads, 1 - beta1)
