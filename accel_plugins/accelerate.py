@@ -92,11 +92,11 @@ class OnebitHandle:
     def close(self) -> None:
         """Remove the forward and checkpoint hooks (DDP keeps its comm hook: torch cannot unregister it).
 
-        Known issue: on 2 CPU ranks, a process that exits with the DDP model and the 1-bit optimizer
-        still alive after ``accelerator.end_training()`` aborted at interpreter shutdown in 3-5 of 10
-        runs ("terminate called without an active exception"), after training had finished. Freeing
-        them first avoided it in every run: ``onebit.close(); accelerator.free_memory(); del model,
-        optimizer, onebit; gc.collect(); accelerator.end_training()`` (examples/accelerate_onebit.py).
+        Known torch issue: a process that exits with a DDP model still alive after
+        ``accelerator.end_training()`` can abort at interpreter shutdown ("terminate called without an
+        active exception"); bare torch + gloo DDP does it too (docs/accelerate.md has the counts). Free
+        them first: ``onebit.close(); accelerator.free_memory(); del model, optimizer, onebit;
+        gc.collect(); accelerator.end_training()`` (examples/accelerate_onebit.py).
         """
         for h in self._handles:
             h.remove()
