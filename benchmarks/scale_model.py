@@ -8,6 +8,7 @@ fits alpha and beta on the 2-rank fp32 times and reports the model's error on th
     python benchmarks/scale_model.py                       # tables + docs/scale_model.png
     python benchmarks/scale_model.py --measure-compute     # + measure the 1-bit compute rate here
     python benchmarks/scale_model.py --validate            # + netns validation (root + iproute2)
+    python benchmarks/scale_model.py --validate-latency --plot ""   # + the latency term: small messages
 Options: --alpha-us 20 (inter-node latency per message), --intra-gbyte 100 (GB/s inside a node),
 --intra-alpha-us 5, --ranks-per-node 8, --powersgd-rank 4, --zero-one-interval 4, --fwd-bwd-ms 0,
 --compute-speedup 1 (divide every compute time: e.g. ~50 for an H100's HBM against this VM).
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -189,6 +191,42 @@ def validate(args) -> list[dict]:
     return out
 
 
+def validate_latency(args) -> list[dict]:
+    """The latency term: small messages (the bytes a few percent of the time) on 2, 3, 4 ranks; alpha
+    fitted on 2 ranks' fp32 allreduce with the bandwidth of ``--rate``, then the message counts of the
+    model (fp32 ring 2(W-1), 1-bit 3(W-1)) predict 3 and 4 ranks. (This kernel has no netem, so the
+    latency is the stack's own: gloo + TCP + veth + bridge, not an injected wide-area delay.)"""
+    import scale_validation as sv
+
+    sizes = [int(s) for s in args.latency_sizes.split(",")]
+    rate_bits = float(args.rate.lower().removesuffix("gbit")) * 1e9 if args.rate.lower().endswith("gbit") else None
+    if rate_bits is None:
+        raise SystemExit(f"--rate {args.rate!r}: give it in gbit for --validate-latency")
+    measured = {w: sv.measure(w, sizes, args.rate, iters=args.latency_iters, warmup=3) for w in (2, 3, 4)}
+    per_byte = 8 / rate_bits
+    alphas = [(measured[2][str(n)]["fp32"] - sf.ring_allreduce_bytes(n, 2) * per_byte) / 2 for n in sizes]
+    link = sf.Link(statistics.median(alphas), rate_bits / 8)
+    print(f"latency fitted on 2 ranks (fp32 allreduce of {sizes} elements, {args.rate}): alpha "
+          f"{link.alpha_s * 1e6:.0f} us per message (per size: {', '.join(f'{a * 1e6:.0f}' for a in alphas)} us)")
+    out = []
+    for world, by_size in measured.items():
+        for numel, times in by_size.items():
+            n = int(numel)
+            for label, key, model_s in (("fp32 allreduce", "fp32", sf._ring_allreduce(n, world, link).seconds),
+                                        ("1-bit, inside collectives", "onebit_in_collectives",
+                                         sf._onebit([n], world, link).seconds)):
+                m = times[key]
+                out.append({"world": world, "numel": n, "collective": label, "measured_us": m * 1e6,
+                            "model_us": model_s * 1e6, "error": (model_s - m) / m,
+                            "fitted": world == 2 and key == "fp32"})
+    print("| W | elements | what | measured us | model us | model error |\n|---|---:|---|---:|---:|---:|")
+    for r in out:
+        note = " (fit)" if r["fitted"] else ""
+        print(f"| {r['world']} | {r['numel']:,} | {r['collective']} | {r['measured_us']:.0f} | {r['model_us']:.0f} | "
+              f"{r['error'] * 100:+.1f}%{note} |")
+    return out
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--alpha-us", type=float, default=20.0)
@@ -203,12 +241,15 @@ def main(argv=None) -> None:
     p.add_argument("--validate", action="store_true")
     p.add_argument("--rate", default="1gbit", help="tc rate of the --validate links")
     p.add_argument("--sizes", default="8000000,32000000", help="--validate tensor sizes (elements)")
+    p.add_argument("--validate-latency", action="store_true", help="small messages on 2-4 shaped ranks: alpha")
+    p.add_argument("--latency-sizes", default="256,1024,4096")
+    p.add_argument("--latency-iters", type=int, default=30)
     p.add_argument("--plot", default=str(Path(__file__).resolve().parents[1] / "docs" / "scale_model.png"))
     p.add_argument("--json", default=None, help="write every predicted row (and the validation) here")
     args = p.parse_args(argv)
 
     rates = sf.MEASURED_HERE
-    if args.measure_compute or args.validate:
+    if args.measure_compute or args.validate or args.validate_latency:
         from comm import machine_facts
 
         facts = machine_facts()
@@ -221,6 +262,8 @@ def main(argv=None) -> None:
         print(f"measured here: 1-bit compressed_allreduce compute {per_elem * 1e9:.3f} ns/element "
               f"(8M fp32, W=2, 1 thread, collectives skipped)")
     validation = validate(args) if args.validate else None
+    if args.validate_latency:
+        validation = {"bandwidth": validation, "latency": validate_latency(args)}
     rates = rates.scaled(args.compute_speedup)
     models = sf.default_models()
     names = [m.name for m in models]
