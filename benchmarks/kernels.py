@@ -83,6 +83,13 @@ def make(sizes, dtype=torch.float32, grad_dtype=None):
     return params
 
 
+def flat_params(sizes):
+    """``make(sizes)`` rehomed by ``flatten_parameters`` (params and grads each one buffer, as views)."""
+    params = make(sizes)
+    lo.flatten_parameters(params)
+    return params
+
+
 def optimizer_step(opt_factory, params, backend: str | None):
     opt = opt_factory(params)
 
@@ -116,6 +123,8 @@ def adamw_case(title, sizes, repeat, ext, deepspeed):
         ("lightning_optim.AdamW, cpu kernels", optimizer_step(lambda p: lo.AdamW(p, lr=1e-3), params, "cpu")),
         ("  of which the kernel call (ext.adam)",
          lambda: ext.adam(ps, gs, ms, vs, [], [], [], 0.1, 0.999, 0.001, -1e-3, 1.0, 1e-8, 0.0, 1.0, -0.0, True)),
+        ("lightning_optim.AdamW, cpu kernels, flat params", optimizer_step(lambda p: lo.AdamW(p, lr=1e-3),
+                                                                          flat_params(sizes), "cpu")),
     ]
     if deepspeed is not None:
         contenders.append(("deepspeed DeepSpeedCPUAdam",

@@ -18,7 +18,12 @@ _install_strategies()
 from lightning_optim.catalogue import DISTRIBUTED as _DISTRIBUTED
 from lightning_optim.catalogue import OPTIMIZERS as _OPTIMIZERS
 from lightning_optim.catalogue import STRATEGIES as _STRATEGIES
-from lightning_optim.optim import prepare_for_gradient_release, remove_gradient_release
+from lightning_optim.optim import (
+    FlatParameters,
+    flatten_parameters,
+    prepare_for_gradient_release,
+    remove_gradient_release,
+)
 from lightning_optim.precision import DynamicLossScaler, FP16Optimizer, MasterWeights
 
 # Every optimizer of the catalogue at the top level, under its class name (the catalogue is the one list).
@@ -81,5 +86,6 @@ def __getattr__(name: str):
 
 __all__ = sorted(
     [e.export for e in _OPTIMIZERS.values()] + list(_LAZY)
-    + ["DynamicLossScaler", "FP16Optimizer", "MasterWeights", "prepare_for_gradient_release", "remove_gradient_release"]
+    + ["DynamicLossScaler", "FP16Optimizer", "FlatParameters", "MasterWeights", "flatten_parameters",
+       "prepare_for_gradient_release", "remove_gradient_release"]
 )

@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_optim.ops.coalesce import coalesced
+
 SUPPORTED_PARAMS = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -85,11 +87,12 @@ def adam(ext: ModuleType) -> Callable[..., None]:
                 max_lr=decay_rule[1], apply=apply)
             return
         keep, neg = _decay(decay_coefficient(lr, *decay_rule))
-        launch(ext, "adam", params=_params(batch), grads=batch.raw_grads, exp_avgs=batch.state("exp_avg"),
-               exp_avg_sqs=batch.state("exp_avg_sq"),
-               max_exp_avg_sqs=batch.state("max_exp_avg_sq") if amsgrad else [], kahan_comps=_comps(batch),
-               param_copies=batch.take_copies() if apply else [], w1=1 - beta1, beta2=beta2, c2=1 - beta2,
-               step=-lr / bc1, sqrt_bc2=math.sqrt(bc2), eps=eps, l2=l2, keep=keep, neg_decay=neg, apply=apply)
+        lists = coalesced(batch.run_cache, dict(
+            params=_params(batch), grads=batch.raw_grads, exp_avgs=batch.state("exp_avg"),
+            exp_avg_sqs=batch.state("exp_avg_sq"), max_exp_avg_sqs=batch.state("max_exp_avg_sq") if amsgrad else [],
+            kahan_comps=_comps(batch), param_copies=batch.take_copies() if apply else []))
+        launch(ext, "adam", **lists, w1=1 - beta1, beta2=beta2, c2=1 - beta2, step=-lr / bc1,
+               sqrt_bc2=math.sqrt(bc2), eps=eps, l2=l2, keep=keep, neg_decay=neg, apply=apply)
     return run
 
 
@@ -104,7 +107,9 @@ def sgd(ext: ModuleType) -> Callable[..., None]:
             torch.ops.lightning_optim.sgd_at_lr(**common, lr=_lr_tensor(lr), wd=decay_rule[0], max_lr=decay_rule[1])
             return
         keep, neg = _decay(decay_coefficient(lr, *decay_rule))
-        ext.sgd(**common, neg_lr=-lr, keep=keep, neg_decay=neg)
+        lists = coalesced(batch.run_cache, {k: common.pop(k) for k in ("params", "grads", "momentum_buffers",
+                                                                        "kahan_comps")})
+        ext.sgd(**lists, **common, neg_lr=-lr, keep=keep, neg_decay=neg)
     return run
 
 
@@ -117,7 +122,8 @@ def lion(ext: ModuleType) -> Callable[..., None]:
             torch.ops.lightning_optim.lion_at_lr(**common, lr=_lr_tensor(lr), wd=decay_rule[0], max_lr=decay_rule[1])
             return
         keep, neg = _decay(decay_coefficient(lr, *decay_rule))
-        ext.lion(**common, neg_lr=-lr, keep=keep, neg_decay=neg)
+        lists = coalesced(batch.run_cache, {k: common.pop(k) for k in ("params", "grads", "exp_avgs", "kahan_comps")})
+        ext.lion(**lists, **common, neg_lr=-lr, keep=keep, neg_decay=neg)
     return run
 
 

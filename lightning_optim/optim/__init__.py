@@ -4,6 +4,7 @@ from lightning_optim.optim.adam import Adam, AdamW
 from lightning_optim.optim.adan import Adan
 from lightning_optim.optim.aliases import CPUAdam, FusedAdam, FusedSGD
 from lightning_optim.optim.base import BaseOptimizer
+from lightning_optim.optim.flat_params import FlatParameters, flatten_parameters
 from lightning_optim.optim.lamb import FusedLamb, Lamb
 from lightning_optim.optim.lars import Lars
 from lightning_optim.optim.lion import Lion
@@ -21,6 +22,7 @@ __all__ = [
     "Adan",
     "BaseOptimizer",
     "CPUAdam",
+    "FlatParameters",
     "FusedAdam",
     "FusedLamb",
     "FusedSGD",
@@ -33,6 +35,7 @@ __all__ = [
     "SignSGD",
     "SparsifiedSGD",
     "StableAdamW",
+    "flatten_parameters",
     "prepare_for_gradient_release",
     "remove_gradient_release",
 ]

@@ -35,6 +35,7 @@ from torch import Tensor
 from lightning_optim.ops.fused import decay_coefficient
 from lightning_optim.optim.batch import LOW_PRECISION, Batch, bucket_slices
 from lightning_optim.optim.bucket_states import check_state, pack_states
+from lightning_optim.optim.flat_params import FLAT_GRAD_ATTR
 from lightning_optim.optim.state_dicts import prepare_state_dict
 from lightning_optim.optim.validation import (
     check_flag,
@@ -79,6 +80,8 @@ class BaseOptimizer(torch.optim.Optimizer):
         self._released = False
         self._warned_kahan = False
         self._plans: dict[int, tuple[tuple, list]] = {}
+        # One dict per bucket slice of the current plans (ops/coalesce.py), keyed by its first state dict.
+        self._run_caches: dict[int, dict[str, Any]] = {}
         self._group_index: dict[int, int] | None = None
         self._param_copies: dict[int, Tensor] = {}
         defaults = {k: plain_numbers(v) for k, v in defaults.items()}
@@ -206,7 +209,26 @@ class BaseOptimizer(torch.optim.Optimizer):
                 for p in group["params"]:
                     p.grad = None
             return
+        if set_to_none and self._zero_flat_grads():
+            return
         super().zero_grad(set_to_none=set_to_none)
+
+    def _zero_flat_grads(self) -> bool:
+        """Zero the grads that are views of a flat buffer (``flatten_parameters``) in place, drop the others;
+        False (nothing done) when no param has a flat grad."""
+        params = [p for group in self.param_groups for p in group["params"]]
+        flat = [getattr(p, FLAT_GRAD_ATTR, None) for p in params]
+        if all(view is None for view in flat):
+            return False
+        keep = []
+        for p, view in zip(params, flat):
+            if view is not None and p.grad is view:
+                keep.append(view)
+            else:
+                p.grad = None
+        if keep:
+            torch._foreach_zero_(keep)
+        return True
 
     def _before_step(self, work: list[tuple[dict[str, Any], list[Tensor]]]) -> None:
         """Hook for whole-model work before any update (LAMB's global grad-norm clipping)."""
@@ -304,6 +326,7 @@ class BaseOptimizer(torch.optim.Optimizer):
         for idx, bucket_states, _ in plan:
             pack_states([params[i] for i in idx], bucket_states)
         self._plans[id(group)] = (key, plan)
+        self.__dict__.setdefault("_run_caches", {}).clear()  # state dicts may be new objects with old ids
         return plan
 
     def _step_params(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor],
@@ -316,13 +339,21 @@ class BaseOptimizer(torch.optim.Optimizer):
             for a, b in bucket_slices(params, idx, dtype):
                 part = idx[a:b]
                 self._step_batch(group, [params[i] for i in part], [grads[i] for i in part], states[a:b], step,
-                                 dtype, apply)
+                                 dtype, apply, self._run_cache(states[a]))
+
+    def _run_cache(self, first_state: dict[str, Any]) -> dict[str, Any] | None:
+        """The coalescing cache of the bucket slice starting at ``first_state`` (None under torch.compile:
+        the traced step gets its lists as they are)."""
+        if torch.compiler.is_compiling():
+            return None
+        return self.__dict__.setdefault("_run_caches", {}).setdefault(id(first_state), {})
 
     def _step_batch(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor],
-                    states: list[dict[str, Any]], step: int, dtype: torch.dtype, apply: bool) -> None:
+                    states: list[dict[str, Any]], step: int, dtype: torch.dtype, apply: bool,
+                    run_cache: dict[str, Any] | None = None) -> None:
         if group.get("maximize"):
             grads = torch._foreach_neg(grads)
-        batch = Batch(params, grads, states, step, dtype)
+        batch = Batch(params, grads, states, step, dtype, run_cache=run_cache)
         if not (self._compiled_tensor_lr and torch.compiler.is_compiling()):
             group = self.with_float_lr(group)  # compiled Adam/SGD/Lion hand the tensor to their op instead
         copies = [self._param_copies.get(id(p)) for p in params] if apply and self._param_copies else []

@@ -31,6 +31,8 @@ class Batch:
     compute_dtype: torch.dtype
     copies: list[Tensor] | None = None  # 16-bit model params that mirror fp32 (master) params
     copies_written: bool = False
+    # The bucket's cache of coalesced kernel lists (ops/coalesce.py); None where the bucket has no plan.
+    run_cache: dict[str, Any] | None = None
     _params_compute: list[Tensor] | None = field(default=None, repr=False)
     _grads: list[Tensor] | None = field(default=None, repr=False)
 
