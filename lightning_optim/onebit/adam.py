@@ -165,15 +165,17 @@ class OnebitAdam(OnebitOptimizer):
     def _needs_average(self, t: int) -> bool:
         return t <= self.freeze_step
 
+    def _reads_param_grads(self, t: int) -> bool:
+        return t > self.freeze_step  # the compression stage lerps the momentum straight from p.grad
+
     def _onebit_step(self, layout: Layout, t: int) -> None:
-        grad_flat, _ = self._scratch(layout, "grad")
         warmup = t <= self.freeze_step
         if warmup:
             if self.average_grads:
-                self._average_(grad_flat)
+                self._average_(self._scratch(layout, "grad")[0])
             self._sched["variance_steps"] += 1
         else:
-            for _, group, batch in self._batches(layout, t):
+            for _, group, batch in self._batches(layout, t, grads=self._local_grads(layout)):
                 adam_first_moment_(batch.state("exp_avg"), batch.grads, group["betas"][0])
             self._compress_(self._flat("exp_avg"))
             self._mask_(layout, self._flat_views["exp_avg"])

@@ -92,6 +92,7 @@ class OnebitOptimizer(CommunicatingOptimizer, OnebitStateDictMixin, MomentumMask
         self._layout: Layout | None = None
         self._flats: dict[str, Tensor] = {}
         self._flat_views: dict[str, list[Tensor]] = {}
+        self._param_grads: list[Tensor | None] | None = None
         self.compressor = OnebitCompressor()  # its error buffers are this rank's own
         super().__init__(params, {**defaults, "gradient_release": gradient_release})
 
@@ -197,16 +198,23 @@ class OnebitOptimizer(CommunicatingOptimizer, OnebitStateDictMixin, MomentumMask
         self._agree(layout, t)
         grads = [p.grad for p in layout.params]
         self._drop_foreign_errors()
-        flat, views = self._scratch(layout, "grad")
-        present = [i for i, g in enumerate(grads) if g is not None]
-        if present:
-            torch._foreach_copy_([views[i] for i in present], [grads[i] for i in present])
-        if len(present) < len(grads):
-            for i, g in enumerate(grads):
-                if g is None:
-                    views[i].zero_()
-        if layout.params:
-            self._onebit_step(layout, t)
+        if self._reads_param_grads(t):
+            self._param_grads = grads
+        else:
+            self._param_grads = None
+            flat, views = self._scratch(layout, "grad")
+            present = [i for i, g in enumerate(grads) if g is not None]
+            if present:
+                torch._foreach_copy_([views[i] for i in present], [grads[i] for i in present])
+            if len(present) < len(grads):
+                for i, g in enumerate(grads):
+                    if g is None:
+                        views[i].zero_()
+        try:
+            if layout.params:
+                self._onebit_step(layout, t)
+        finally:
+            self._param_grads = None  # keeps no gradient alive past the step
         self._sched["step"] = t
         return loss
 
@@ -383,6 +391,15 @@ class OnebitOptimizer(CommunicatingOptimizer, OnebitStateDictMixin, MomentumMask
 
     def _onebit_step(self, layout: Layout, t: int) -> None:
         raise NotImplementedError
+
+    def _reads_param_grads(self, t: int) -> bool:
+        """Whether step ``t`` reads the params' own gradients (``self._param_grads``, None where a param
+        has none) instead of the flat fp32 copy in ``_scratch(layout, "grad")``, which it then skips."""
+        return False
+
+    def _local_grads(self, layout: Layout) -> list[Tensor]:
+        """The params' gradients of this step, in layout order; a zero tensor where a param has none."""
+        return [g if g is not None else torch.zeros_like(p) for p, g in zip(layout.params, self._param_grads)]
 
     def _needs_average(self, t: int) -> bool:
         raise NotImplementedError

@@ -12,6 +12,10 @@ from lightning_optim.onebit.layout import Layout
 __all__ = ["MomentumMaskMixin"]
 
 
+# Multiply only the masked elements while they are fewer than 1 in this many.
+SPARSE_MASK_RATIO = 16
+
+
 class MomentumMaskMixin:
     """Mask methods of :class:`~lightning_optim.onebit.base.OnebitOptimizer`."""
 
@@ -45,11 +49,19 @@ class MomentumMaskMixin:
             means.index_add_(0, ids, variance.double()).div_(numels.clamp(min=1))
             keep = variance.double() > (self.auto_mask**2) * means[ids]
             mask = None if bool(keep.all()) else keep.to(torch.float32)
-            cached = layout.scratch["zero_mask"] = (version, mask)
+            masked = None if mask is None else torch.nonzero(~keep).flatten()
+            cached = layout.scratch["zero_mask"] = (version, mask, masked)
         return cached[1]
 
     def _auto_mask_(self, layout: Layout, flat: Tensor) -> None:
-        """``flat *= zero mask`` (see :meth:`_zero_mask`), after every compressed allreduce."""
+        """``flat *= zero mask`` (see :meth:`_zero_mask`), after every compressed allreduce. Where few
+        elements are masked (the usual case) only those are multiplied (by 0: the same values, signed
+        zeros and NaNs included, as the full multiply), not a pass over the whole buffer."""
         mask = self._zero_mask(layout)
-        if mask is not None:
+        if mask is None:
+            return
+        masked = layout.scratch["zero_mask"][2]
+        if masked.numel() * SPARSE_MASK_RATIO < flat.numel():
+            flat.index_copy_(0, masked, flat.index_select(0, masked).mul_(0.0))
+        else:
             flat.mul_(mask)

@@ -299,3 +299,27 @@ def test_unmanaged_ddp_allreduce_warns_once():
         assert unmanaged_steps == 3 and math.isnan(ratio)  # steps 3-5 compressed; DDP's bytes unseen
     for messages, unmanaged_steps, ratio in run_workers(2, unmanaged, True, timeout=60):
         assert messages == [] and unmanaged_steps == 0 and not math.isnan(ratio)
+
+
+@pytest.mark.parametrize("cls,kwargs", [(OnebitAdam, dict(freeze_step=3)), (ZeroOneAdam, dict(var_freeze_step=3)),
+                                        (OnebitLamb, dict(freeze_step=3))], ids=lambda x: getattr(x, "__name__", ""))
+def test_the_sparse_auto_mask_equals_the_full_multiply(cls, kwargs, monkeypatch):
+    """The auto mask multiplies only its masked elements when they are few: the same params and states,
+    bit for bit, as multiplying the whole buffer by the 0/1 mask."""
+    from lightning_optim.onebit import masks
+
+    def run(ratio):
+        monkeypatch.setattr(masks, "SPARSE_MASK_RATIO", ratio)
+        params = [p.requires_grad_() for p in _params()]
+        opt = cls(params, lr=1e-2, **kwargs)
+        for t in range(1, 9):
+            for p, g in zip(params, _grads(t, 0)):
+                p.grad = g
+            opt.step()
+        masked = opt._layout.scratch["zero_mask"][2]
+        return params, [v for p in params for v in opt.state[p].values() if isinstance(v, torch.Tensor)], masked
+
+    dense, sparse = run(10**9), run(0)  # masked * ratio < numel: the sparse path
+    assert sparse[2].numel() == 3  # the rule picked param 1's tiny elements
+    for a, b in zip(sparse[0] + sparse[1], dense[0] + dense[1]):
+        assert torch.equal(a, b)
