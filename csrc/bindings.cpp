@@ -120,7 +120,24 @@ void adam(const TensorList& params, const TensorList& grads, const TensorList& e
   TORCH_CHECK_VALUE(!p.types.has_copy || p.types.p == lo::DType::F32, "param_copies: only for float32 (master) params");
   lo::AdamHyper h{float(w1), float(beta2), float(c2), float(step), float(sqrt_bc2), float(eps), float(l2), decay_of(keep, neg_decay)};
   LO_GUARD(p.device);
-  LO_CALL(p, adam, exec_for(p.device), p.args, h, p.types, !max_exp_avg_sqs.empty(), apply);
+  LO_CALL(p, adam, exec_for(p.device), p.args, h, p.types, !max_exp_avg_sqs.empty(), apply, false);
+}
+
+// 1-bit Adam's compression-stage update: p <- p + step * m / (sqrt(v) / sqrt_bc2 + eps) with decoupled
+// decay, m (fp32, final) and v (frozen) only read.
+void adam_frozen(const TensorList& params, const TensorList& momenta, const TensorList& exp_avg_sqs,
+                 const TensorList& kahan_comps, double step, double sqrt_bc2, double eps, double keep, double neg_decay) {
+  const TensorList none;
+  Packed p = pack({{&params, "params", Role::Param}, {&momenta, "momenta", Role::F32}, {&none, "exp_avgs", Role::F32},
+                   {&exp_avg_sqs, "exp_avg_sqs", Role::F32}, {&none, "max_exp_avg_sqs", Role::F32},
+                   {&kahan_comps, "kahan_comps", Role::SameAsParam}, {&none, "param_copies", Role::Any16}});
+  if (p.args.n == 0) return;
+  TORCH_CHECK_VALUE(momenta.size() == params.size(), "momenta: required, one per param");
+  TORCH_CHECK_VALUE(exp_avg_sqs.size() == params.size(), "exp_avg_sqs: required, one per param");
+  p.types.g = lo::DType::F32;
+  lo::AdamHyper h{0.0f, 1.0f, 0.0f, float(step), float(sqrt_bc2), float(eps), 0.0f, decay_of(keep, neg_decay)};
+  LO_GUARD(p.device);
+  LO_CALL(p, adam, exec_for(p.device), p.args, h, p.types, false, true, true);
 }
 
 void sgd(const TensorList& params, const TensorList& grads, const TensorList& momentum_buffers, const TensorList& kahan_comps,
@@ -287,6 +304,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("adam", &adam, "params"_a, "grads"_a, "exp_avgs"_a, "exp_avg_sqs"_a, "max_exp_avg_sqs"_a,
         "kahan_comps"_a, "param_copies"_a, "w1"_a, "beta2"_a, "c2"_a, "step"_a, "sqrt_bc2"_a, "eps"_a,
         "l2"_a, "keep"_a, "neg_decay"_a, "apply"_a);
+  m.def("adam_frozen", &adam_frozen, "params"_a, "momenta"_a, "exp_avg_sqs"_a, "kahan_comps"_a, "step"_a,
+        "sqrt_bc2"_a, "eps"_a, "keep"_a, "neg_decay"_a);
   m.def("sgd", &sgd, "params"_a, "grads"_a, "momentum_buffers"_a, "kahan_comps"_a, "momentum"_a,
         "damp_keep"_a, "l2_pre"_a, "l2_post"_a, "neg_lr"_a, "first"_a, "nesterov"_a, "keep"_a,
         "neg_decay"_a, "apply"_a);

@@ -86,6 +86,35 @@ at::Tensor onebit_seg_sumsq(const at::Tensor& x, const std::optional<at::Tensor>
   return out;
 }
 
+// 1-bit Adam's worker prologue in one pass (CPU): per piece p, x[off + j] <- lerp(x[off + j], grads[p][j], w1)
+// (torch's lerp), then the sum of (x[off + j] + err[pos + j])^2 per piece, as float64 [P].
+at::Tensor onebit_momentum_sumsq(const at::Tensor& x, const std::vector<at::Tensor>& grads, const at::Tensor& err,
+                                 const at::Tensor& pieces, int64_t total, double w1) {
+  const at::Device device = x.device();
+  TORCH_CHECK_VALUE(device.is_cpu(), "onebit_momentum_sumsq: CPU tensors only, got ", device,
+                    " (elsewhere: lerp the momentum, then onebit_seg_sumsq)");
+  check_flat(x, "x", at::kFloat, device);
+  lo::Pieces pc = pieces_of(pieces, total, device);
+  check_pieces_fit(pieces, x, "x");
+  check_flat(err, "err", at::kFloat, device);
+  TORCH_CHECK_VALUE(err.numel() >= total, "err: ", err.numel(), " elements, expected >= ", total);
+  TORCH_CHECK_VALUE(static_cast<int64_t>(grads.size()) == pc.n, "grads: ", grads.size(), " tensors for ", pc.n,
+                    " pieces");
+  std::vector<const float*> ptrs(grads.size());
+  for (int64_t p = 0; p < pc.n; ++p) {
+    const std::string name = "grads[" + std::to_string(p) + "]";
+    check_flat(grads[p], name.c_str(), at::kFloat, device);
+    TORCH_CHECK_VALUE(grads[p].numel() == pc.len[p], name, ": ", grads[p].numel(), " elements, its piece has ",
+                      pc.len[p]);
+    ptrs[p] = grads[p].data_ptr<float>();
+  }
+  at::Tensor out = piece_sums_tensor(pc, device);
+  if (pc.n == 0) return out;
+  lo::cpu::onebit_momentum_sumsq(exec_for(device), x.data_ptr<float>(), ptrs.data(), static_cast<float>(w1),
+                                 err.data_ptr<float>(), pc, out.data_ptr<double>());
+  return out;
+}
+
 // Signs of z = x[off + j] (+ err[pos + j] when add_err) into bit pos + j of packed, and (err given)
 // err[pos + j] <- z - scales[p] sign(z). Bits of positions outside the pieces are left as they are.
 void onebit_seg_compress(const at::Tensor& x, const std::optional<at::Tensor>& err, const at::Tensor& packed,
@@ -160,6 +189,8 @@ void register_onebit(pybind11::module_& m) {
         pybind11::arg("out"));
   m.def("onebit_seg_sumsq", &onebit_seg_sumsq, pybind11::arg("x"), pybind11::arg("err"), pybind11::arg("pieces"),
         pybind11::arg("total"));
+  m.def("onebit_momentum_sumsq", &onebit_momentum_sumsq, pybind11::arg("x"), pybind11::arg("grads"),
+        pybind11::arg("err"), pybind11::arg("pieces"), pybind11::arg("total"), pybind11::arg("w1"));
   m.def("onebit_seg_compress", &onebit_seg_compress, pybind11::arg("x"), pybind11::arg("err"), pybind11::arg("packed"),
         pybind11::arg("pieces"), pybind11::arg("total"), pybind11::arg("scales"), pybind11::arg("add_err"));
   m.def("onebit_seg_unpack", &onebit_seg_unpack, pybind11::arg("packed"), pybind11::arg("pieces"),

@@ -209,6 +209,37 @@ void onebit_seg_sumsq(const Exec& ex, const float* x, const float* err, const Pi
   });
 }
 
+void onebit_momentum_sumsq(const Exec& ex, float* x, const float* const* grads, float w1, const float* err,
+                           const Pieces& pc, double* out) {
+  // torch's lerp with its branch on the weight taken once, so that the loop vectorizes
+  const bool small = w1 < 0.5f && w1 > -0.5f;
+  const float w_end = 1.0f - w1;
+  piece_sums(ex, pc, out, [&](int64_t p, int64_t b, int64_t e) {
+    float* __restrict__ xs = x + pc.off[p];
+    const float* __restrict__ gs = grads[p];
+    const float* __restrict__ es = err + pc.pos[p];
+    float acc = 0.0f;
+    if (small) {
+#pragma omp simd reduction(+ : acc)
+      for (int64_t j = b; j < e; ++j) {
+        const float m = xs[j] + w1 * (gs[j] - xs[j]);
+        xs[j] = m;
+        const float z = ef_input(m, es[j]);
+        acc += z * z;
+      }
+    } else {
+#pragma omp simd reduction(+ : acc)
+      for (int64_t j = b; j < e; ++j) {
+        const float m = gs[j] - (gs[j] - xs[j]) * w_end;
+        xs[j] = m;
+        const float z = ef_input(m, es[j]);
+        acc += z * z;
+      }
+    }
+    return static_cast<double>(acc);
+  });
+}
+
 void onebit_seg_compress(const Exec& ex, const float* x, float* err, uint8_t* packed, const Pieces& pc,
                          const float* scales, Ef mode) {
   for_each_piece(ex, pc, [&](int64_t, int64_t p, int64_t b, int64_t e) {

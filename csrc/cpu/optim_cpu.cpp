@@ -17,8 +17,9 @@ struct Cpu {
 
 namespace cpu {
 
-void adam(const Exec& ex, const ListArgs& a, const AdamHyper& h, const Types& ty, bool amsgrad, bool apply) {
-  dispatch::adam<Cpu>(ex, a, h, ty, amsgrad, apply);
+void adam(const Exec& ex, const ListArgs& a, const AdamHyper& h, const Types& ty, bool amsgrad, bool apply,
+          bool frozen) {
+  dispatch::adam<Cpu>(ex, a, h, ty, amsgrad, apply, frozen);
 }
 void sgd(const Exec& ex, const ListArgs& a, const SgdHyper& h, const Types& ty, bool momentum, bool apply) {
   dispatch::sgd<Cpu>(ex, a, h, ty, momentum, apply);

@@ -17,8 +17,9 @@ struct Gpu {
 
 namespace cuda {
 
-void adam(const Exec& ex, const ListArgs& a, const AdamHyper& h, const Types& ty, bool amsgrad, bool apply) {
-  dispatch::adam<Gpu>(ex, a, h, ty, amsgrad, apply);
+void adam(const Exec& ex, const ListArgs& a, const AdamHyper& h, const Types& ty, bool amsgrad, bool apply,
+          bool frozen) {
+  dispatch::adam<Gpu>(ex, a, h, ty, amsgrad, apply, frozen);
 }
 void sgd(const Exec& ex, const ListArgs& a, const SgdHyper& h, const Types& ty, bool momentum, bool apply) {
   dispatch::sgd<Gpu>(ex, a, h, ty, momentum, apply);

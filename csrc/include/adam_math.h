@@ -56,4 +56,25 @@ struct AdamOp {
   }
 };
 
+// 1-bit Adam's compression-stage step: the momentum m arrives final (in the grads' list, fp32) and v
+// is frozen, so neither is written back: reads p, m, v, writes p. The same delta as AdamOp with
+// beta1 = 0, beta2 = 1 (m <- lerp(m, m', 1) = m', v <- v) for finite m'.
+template <typename P, bool KAHAN>
+struct AdamFrozenOp {
+  static constexpr int depth = 7;
+  struct Ptrs { P* p; const float* m; const float* v; P* comp; };
+  AdamHyper h;
+
+  HOST_DEVICE Ptrs bind(void* const* b, int64_t) const {
+    return Ptrs{static_cast<P*>(b[0]), static_cast<const float*>(b[1]), static_cast<const float*>(b[3]),
+                static_cast<P*>(b[5])};
+  }
+
+  HOST_DEVICE LO_INLINE void operator()(const Ptrs& t, int64_t i) const {
+    float denom = sqrtf(t.v[i]) / h.sqrt_bc2 + h.eps;
+    float delta = (t.m[i] / denom) * h.step;
+    apply_delta<P, KAHAN>(t.p, t.comp, i, delta, h.decay);
+  }
+};
+
 }  // namespace lo

@@ -54,7 +54,8 @@ struct Pieces {
 // of the device that runs the call.
 #define LO_KERNELS(NS)                                                                                    \
   namespace NS {                                                                                          \
-  void adam(const Exec&, const ListArgs&, const AdamHyper&, const Types&, bool amsgrad, bool apply);      \
+  void adam(const Exec&, const ListArgs&, const AdamHyper&, const Types&, bool amsgrad, bool apply,      \
+            bool frozen);                                                                                 \
   void sgd(const Exec&, const ListArgs&, const SgdHyper&, const Types&, bool momentum, bool apply);       \
   void lion(const Exec&, const ListArgs&, const LionHyper&, const Types&, bool apply);                    \
   void adan(const Exec&, const ListArgs&, const AdanHyper&, const Types&, bool apply);                    \
@@ -86,6 +87,11 @@ LO_KERNELS(cpu)
 LO_KERNELS(cuda)
 
 namespace cpu {
+// 1-bit Adam's worker prologue, fused (CPU only; CUDA runs the lerp and onebit_seg_sumsq apart):
+// per piece p, x[off + j] <- lerp(x[off + j], grads[p][j], w1), then out[p] += sum of (x + err[pos + j])^2.
+void onebit_momentum_sumsq(const Exec&, float* x, const float* const* grads, float w1, const float* err,
+                           const Pieces&, double* out);
+
 // Memory roof probe for the benchmarks: a += d, b += d, c += d in one pass (4 reads, 3 writes
 // of fp32, the traffic of an fp32 AdamW step), on the same driver as the optimizers.
 void roof(const Exec&, float* a, float* b, float* c, const float* d, int64_t n);

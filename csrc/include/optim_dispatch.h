@@ -9,10 +9,16 @@ namespace lo {
 namespace dispatch {
 
 template <class B>
-void adam(const Exec& ex, const ListArgs& a, const AdamHyper& h, const Types& ty, bool amsgrad, bool apply) {
+void adam(const Exec& ex, const ListArgs& a, const AdamHyper& h, const Types& ty, bool amsgrad, bool apply,
+          bool frozen) {
   with_param_types(ty, [&](auto pt, auto gt, auto kt) {
     using P = typename std::decay_t<decltype(pt)>::type;
     using G = typename std::decay_t<decltype(gt)>::type;
+    if (frozen) {  // 1-bit Adam's compression stage: m given in the grads' list, v frozen, no copies
+      if constexpr (std::is_same<G, float>::value)
+        B::foreach(ex, a, AdamFrozenOp<P, std::decay_t<decltype(kt)>::value>{h});
+      return;
+    }
     with_bool(amsgrad, [&](auto ams) {
       with_bool(apply, [&](auto app) {
         auto run = [&](auto ct) {

@@ -151,8 +151,24 @@ def _agree(plan: CompressionPlan, dtype: torch.dtype, device: torch.device, grou
         )
 
 
+def _check_momentum(tensor: Tensor, momentum, plan: CompressionPlan) -> None:
+    grads, w1 = momentum
+    if tensor.dtype != torch.float32 or not tensor.is_contiguous():
+        raise ValueError("compressed_allreduce: momentum needs a contiguous float32 tensor (it is updated in place)")
+    if len(grads) != len(plan.lengths):
+        raise ValueError(f"compressed_allreduce: momentum needs one gradient per non-empty segment ({len(plan.lengths)}),"
+                         f" got {len(grads)}")
+    for i, (g, length) in enumerate(zip(grads, plan.lengths)):
+        if not isinstance(g, Tensor) or g.numel() != length or g.device != tensor.device:
+            raise ValueError(f"compressed_allreduce: momentum gradient {i} must be a tensor of {length} elements on "
+                             f"{tensor.device}, got {getattr(g, 'numel', lambda: type(g).__name__)()}")
+    if isinstance(w1, bool) or not isinstance(w1, (int, float)) or not 0.0 <= w1 <= 1.0:
+        raise ValueError(f"compressed_allreduce: momentum weight (1 - beta1) must be a float in [0, 1], got {w1!r}")
+
+
 def compressed_allreduce(tensor: Tensor, worker_error: Tensor, server_error: Tensor, group=None,
-                         stats: CommStats | None = None, *, segments: Sequence[int] | None = None) -> Tensor:
+                         stats: CommStats | None = None, *, segments: Sequence[int] | None = None,
+                         momentum: tuple[Sequence[Tensor], float] | None = None) -> Tensor:
     """Average ``tensor`` over ``group`` with error-compensated 1-bit compression, in place.
 
     ``worker_error`` (``N`` fp32) and ``server_error`` (``N / W`` fp32) come from
@@ -163,6 +179,11 @@ def compressed_allreduce(tensor: Tensor, worker_error: Tensor, server_error: Ten
     raises ``ValueError`` on every rank before any data is exchanged). Returns ``tensor`` holding
     the (identical on every rank) decompressed average. Bytes are added to ``stats`` (default
     ``comm_stats()``).
+
+    ``momentum=(grads, w1)``: first move each segment ``s`` of ``tensor`` (fp32, contiguous) towards
+    ``grads[s]`` (one per non-empty segment), ``tensor_s <- lerp(tensor_s, grads[s], w1)``: 1-bit Adam's
+    local momentum update, done in the worker's first pass (one read of the gradients, no separate
+    pass over the momenta); on one rank only this update happens.
     """
     if not isinstance(tensor, Tensor) or not tensor.is_floating_point():
         raise TypeError(f"compressed_allreduce: tensor must be a floating-point Tensor, got "
@@ -171,7 +192,11 @@ def compressed_allreduce(tensor: Tensor, worker_error: Tensor, server_error: Ten
     world = _world_size(group)
     plan = plan_for(tensor.numel(), world, segments)
     _check(tensor, worker_error, server_error, plan)
+    if momentum is not None:
+        _check_momentum(tensor, momentum, plan)
     if world == 1:
+        if momentum is not None:
+            passes.lerp_segments_(tensor.view(-1), momentum[0], momentum[1], plan.lengths)
         return tensor
     rank = dist.get_rank(group)
     device = tensor.device
@@ -186,7 +211,11 @@ def compressed_allreduce(tensor: Tensor, worker_error: Tensor, server_error: Ten
 
     # 1. worker: one scale per segment; signs packed, the residual kept
     worker = plan.worker.on(device)
-    scales = worker.scales(passes.sumsq(x, worker_error, worker))
+    if momentum is not None:
+        sums = passes.momentum_sumsq(x, momentum[0], worker_error, worker, momentum[1], plan.lengths)
+    else:
+        sums = passes.sumsq(x, worker_error, worker)
+    scales = worker.scales(sums)
     passes.compress(x, worker_error, s.packed, scales, worker, add_err=True)
 
     # 2. exchange chunks: rank r receives chunk r of every worker, each followed by that worker's

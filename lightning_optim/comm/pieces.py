@@ -9,6 +9,8 @@ differ in the last bits: the kernels add fp32 partial sums in double, torch adds
 throughout):
 
 * ``sumsq(x, err)``: per piece, ``sum_j (x[off + j] + err[pos + j])^2``;
+* ``momentum_sumsq(x, grads, err, w1)``: first ``x[off + j] <- lerp(x[off + j], grads[p][j], w1)`` (1-bit
+  Adam's local momentum update), then ``sumsq`` of the result: one pass on the CPU kernels;
 * ``compress(x, err, packed, scales, add_err)``: ``z = x[off + j] (+ err[pos + j])``; bit ``pos + j``
   of ``packed`` is ``z >= 0``; ``err[pos + j] = z - scale * sign(z)``;
 * ``unpack(packed, scales, out)``: ``out[off + j] = +-scale`` by bit ``pos + j``;
@@ -16,6 +18,8 @@ throughout):
   (summed in worker order, then divided), returning the per-piece sums of squares of the result.
 """
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -77,6 +81,23 @@ def sumsq(x: Tensor, err: Tensor | None, pc: Pieces) -> Tensor:
         z += err[pos_idx]
     z = z.double()
     return torch.zeros(pc.count, dtype=torch.float64, device=x.device).index_add_(0, piece, z * z)
+
+
+def lerp_segments_(x: Tensor, grads: Sequence[Tensor], w1: float, lengths: Sequence[int]) -> None:
+    """``x``'s consecutive segments (``lengths``) <- ``lerp(segment, grad, w1)``, torch's lerp."""
+    if lengths:
+        torch._foreach_lerp_(list(x.split(list(lengths))), [g.reshape(-1).to(x.dtype) for g in grads], w1)
+
+
+def momentum_sumsq(x: Tensor, grads: Sequence[Tensor], err: Tensor, pc: Pieces, w1: float,
+                   lengths: Sequence[int]) -> Tensor:
+    """``lerp_segments_(x, grads, w1, lengths)`` then ``sumsq(x, err, pc)``; the worker pieces ``pc`` are
+    the segments, in order. Fused into one pass where the CPU kernel takes the gradients (fp32, contiguous)."""
+    kernel = _kernel("onebit_momentum_sumsq", x.device) if x.device.type == "cpu" else None
+    if kernel is not None and all(g.dtype == torch.float32 and g.is_contiguous() for g in grads):
+        return kernel(x, list(grads), err, pc.table, pc.total, w1)
+    lerp_segments_(x, grads, w1, lengths)
+    return sumsq(x, err, pc)
 
 
 def _signs(packed: Tensor, pc: Pieces) -> Tensor:

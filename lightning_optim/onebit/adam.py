@@ -175,9 +175,14 @@ class OnebitAdam(OnebitOptimizer):
                 self._average_(self._scratch(layout, "grad")[0])
             self._sched["variance_steps"] += 1
         else:
-            for _, group, batch in self._batches(layout, t, grads=self._local_grads(layout)):
-                adam_first_moment_(batch.state("exp_avg"), batch.grads, group["betas"][0])
-            self._compress_(self._flat("exp_avg"))
+            grads = self._local_grads(layout)
+            beta1s = {self.param_groups[gi]["betas"][0] for gi, _ in layout.buckets}
+            if len(beta1s) == 1:  # the momentum update rides on the compression's first pass
+                self._compress_(self._flat("exp_avg"), momentum=(grads, 1.0 - float(beta1s.pop())))
+            else:
+                for _, group, batch in self._batches(layout, t, grads=grads):
+                    adam_first_moment_(batch.state("exp_avg"), batch.grads, group["betas"][0])
+                self._compress_(self._flat("exp_avg"))
             self._mask_(layout, self._flat_views["exp_avg"])
             self._auto_mask_(layout, self._flat("exp_avg"))
         # warmup: Adam on the averaged grads; compression: the final m (as "grads", beta1 = 0), v frozen
@@ -192,4 +197,4 @@ class OnebitAdam(OnebitOptimizer):
             if warmup:
                 self._adam_step(group, batch, beta1=beta1, beta2=beta2, bc1=bc1, bc2=bc2)
             else:
-                self._adam_step(group, batch, beta1=0.0, beta2=1.0, bc1=bc1, bc2=bc2)
+                self._adam_step(group, batch, beta1=0.0, beta2=1.0, bc1=bc1, bc2=bc2, momentum_is_state=True)

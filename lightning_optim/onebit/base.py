@@ -340,16 +340,18 @@ class OnebitOptimizer(CommunicatingOptimizer, OnebitStateDictMixin, MomentumMask
         batch.mark_params_changed()
 
     def _adam_step(self, group: dict[str, Any], batch: Batch, *, beta1: float, beta2: float, bc1: float,
-                   bc2: float) -> None:
+                   bc2: float, momentum_is_state: bool = False) -> None:
         """``m <- lerp(m, g, 1 - beta1)``, ``v <- beta2 v + (1 - beta2) g^2`` (g: ``batch.grads``), then
         Adam's step with decoupled decay ``lr * weight_decay``. ``beta1 = 0`` takes ``g`` as the
         momentum (e.g. the views of a compressed-averaged ``m``), ``beta2 = 1`` keeps ``v`` frozen.
+        ``momentum_is_state`` (with ``beta1 = 0, beta2 = 1``): ``g`` are the ``exp_avg`` states themselves, so
+        the kernel only reads ``m`` and ``v`` (``adam_frozen``: no write-back of either).
         Runs the compiled Adam kernel (one pass) where available."""
         decay = group["lr"] * group["weight_decay"]
         kernel = None if group["eps_inside_sqrt"] else ops.kernel("adam", batch)
         if kernel is not None:
             kernel(batch, True, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], l2=0.0, bc1=bc1, bc2=bc2,
-                   decay_rule=(group["weight_decay"], 0.0), amsgrad=False)
+                   decay_rule=(group["weight_decay"], 0.0), amsgrad=False, frozen=momentum_is_state)
             return
         exp_avg, exp_avg_sq = batch.state("exp_avg"), batch.state("exp_avg_sq")
         adam_first_moment_(exp_avg, batch.grads, beta1)
@@ -365,11 +367,15 @@ class OnebitOptimizer(CommunicatingOptimizer, OnebitStateDictMixin, MomentumMask
         if self._world()[0] > 1 and flat.numel():
             allreduce_mean(flat, group=self.process_group)
 
-    def _compress_(self, flat: Tensor) -> None:
+    def _compress_(self, flat: Tensor, momentum: tuple[list[Tensor], float] | None = None) -> None:
         """Error-compensated 1-bit mean over ranks, in place (nothing on one rank); each param's
-        slice of ``flat`` is compressed with its own scale (as DeepSpeed compresses per param)."""
+        slice of ``flat`` is compressed with its own scale (as DeepSpeed compresses per param).
+        ``momentum=(grads, w1)``: first ``slice <- lerp(slice, grad, w1)`` per param (``grads`` in layout
+        order), in the compression's first pass."""
+        if momentum is not None:  # the compression's segments skip empty params
+            momentum = ([g for g, n in zip(momentum[0], self._layout.numels) if n], momentum[1])
         self.compressor.reduce_flat_(flat, group=self.process_group, segments=self._layout.numels,
-                                     on_reset=self._warn_errors_reset)
+                                     on_reset=self._warn_errors_reset, momentum=momentum)
 
     def _reset_error_buffers(self) -> None:
         self.compressor.reset()

@@ -73,10 +73,19 @@ def _params(batch: Any) -> list[Tensor]:
 
 def adam(ext: ModuleType) -> Callable[..., None]:
     def run(batch: Any, apply: bool, *, lr: float | Tensor, beta1: float, beta2: float, eps: float, l2: float,
-            bc1: float, bc2: float, decay_rule: tuple[float, float], amsgrad: bool, count: int | None = None) -> None:
+            bc1: float, bc2: float, decay_rule: tuple[float, float], amsgrad: bool, count: int | None = None,
+            frozen: bool = False) -> None:
         """``count``: the step whose bias corrections ``bc1``/``bc2`` are (``1 - beta ** count``), if
         they are: a compiled step then hands the op the count instead of the corrections.
-        ``decay_rule``: ``(wd, max_lr)`` of :func:`decay_coefficient`. ``lr`` is a tensor only while compiling."""
+        ``decay_rule``: ``(wd, max_lr)`` of :func:`decay_coefficient`. ``lr`` is a tensor only while compiling.
+        ``frozen`` (with ``beta1 = 0, beta2 = 1``, ``apply``, no amsgrad): the grads are the final momenta and
+        the variance is frozen: ``ext.adam_frozen`` reads both and writes only the params."""
+        if frozen and apply and not amsgrad and beta1 == 0.0 and beta2 == 1.0 and not torch.compiler.is_compiling():
+            keep, neg = _decay(decay_coefficient(lr, *decay_rule))
+            ext.adam_frozen(params=_params(batch), momenta=batch.raw_grads, exp_avg_sqs=batch.state("exp_avg_sq"),
+                            kahan_comps=_comps(batch), step=-lr / bc1, sqrt_bc2=math.sqrt(bc2), eps=eps, keep=keep,
+                            neg_decay=neg)
+            return
         if count is not None and torch.compiler.is_compiling():
             torch.ops.lightning_optim.adam_at_step(
                 params=_params(batch), grads=batch.raw_grads, exp_avgs=batch.state("exp_avg"),
@@ -229,5 +238,5 @@ OPTIMIZER_KERNELS: dict[str, Callable[[ModuleType], Any]] = {
 }
 
 # name -> attribute of the extension module (flat-buffer kernels, no Batch)
-RAW_KERNELS = ("onebit_unpack_table", "onebit_seg_sumsq",
+RAW_KERNELS = ("onebit_unpack_table", "onebit_seg_sumsq", "onebit_momentum_sumsq",
                "onebit_seg_compress", "onebit_seg_unpack", "onebit_server_mean")

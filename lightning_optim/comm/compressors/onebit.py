@@ -22,8 +22,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .. import pieces as passes
 from ..compressed import compressed_allreduce, compressed_bytes, error_buffer_sizes, make_error_buffers
 from ..dense import world_size
+from ..plan import plan_for
 from ..stats import CommStats
 from .base import Compressor, check_reduce_args, group_rank
 
@@ -39,11 +41,15 @@ class OnebitCompressor(Compressor):
         self.origin: tuple[int, int] | None = None  # (world size, rank) the error buffers belong to
 
     def reduce_flat_(self, flat: Tensor, *, group=None, segments: Sequence[int] | None = None,
-                     on_reset: Callable[[str], None] | None = None, stats: CommStats | None = None) -> None:
+                     on_reset: Callable[[str], None] | None = None, stats: CommStats | None = None,
+                     momentum: tuple[Sequence[Tensor], float] | None = None) -> None:
         """Average ``flat`` (fp32, 1-D) over the ranks in place; one scale per ``segments`` piece.
-        Error buffers that no longer fit are dropped (``on_reset(why)`` is told) and start again at zero."""
+        Error buffers that no longer fit are dropped (``on_reset(why)`` is told) and start again at zero.
+        ``momentum=(grads, w1)``: lerp each segment towards its gradient first (see ``compressed_allreduce``)."""
         world = world_size(group)
         if world == 1 or not flat.numel():
+            if momentum is not None and flat.numel():
+                passes.lerp_segments_(flat, momentum[0], momentum[1], plan_for(flat.numel(), 1, segments).lengths)
             return
         if self.worker_error is not None:
             sizes = (self.worker_error.numel(), self.server_error.numel())
@@ -57,7 +63,8 @@ class OnebitCompressor(Compressor):
         if self.worker_error is None:
             self.worker_error, self.server_error = make_error_buffers(flat, group, segments)
             self.origin = (world, group_rank(group))
-        compressed_allreduce(flat, self.worker_error, self.server_error, group=group, stats=stats, segments=segments)
+        compressed_allreduce(flat, self.worker_error, self.server_error, group=group, stats=stats, segments=segments,
+                             momentum=momentum)
 
     def reduce(self, tensors: Sequence[Tensor], residuals: Sequence[Tensor] | None = None, *, group=None,
                average: bool = True, stats: CommStats | None = None) -> list[Tensor]:
