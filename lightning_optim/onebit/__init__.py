@@ -14,6 +14,8 @@ the next backward must be allreduced in full precision) and keep per-rank state 
 from lightning_optim.onebit.adam import OnebitAdam
 from lightning_optim.onebit.base import OnebitOptimizer
 from lightning_optim.onebit.lamb import OnebitLamb
+from lightning_optim.onebit.overlap import OverlapState, onebit_overlap_hook, overlap_with_ddp
 from lightning_optim.onebit.zoadam import ZeroOneAdam
 
-__all__ = ["OnebitAdam", "ZeroOneAdam", "OnebitLamb", "OnebitOptimizer"]
+__all__ = ["OnebitAdam", "ZeroOneAdam", "OnebitLamb", "OnebitOptimizer", "OverlapState", "onebit_overlap_hook",
+           "overlap_with_ddp"]

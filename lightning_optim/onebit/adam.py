@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from lightning_optim.onebit.base import OnebitOptimizer
 from lightning_optim.onebit.layout import VARIANCE_FIRST, Layout, check_step_count
+from lightning_optim.onebit.units import CompressionUnitsMixin
 from lightning_optim.optim.adam import adam_first_moment_
 from lightning_optim.optim.base import ParamsT
 from lightning_optim.optim.validation import check_flag
@@ -17,7 +18,7 @@ if TYPE_CHECKING:
 __all__ = ["OnebitAdam"]
 
 
-class OnebitAdam(OnebitOptimizer):
+class OnebitAdam(CompressionUnitsMixin, OnebitOptimizer):
     r"""1-bit Adam: Adam until ``freeze_step``, then a frozen variance and a 1-bit momentum.
 
     Step :math:`t` (1-based) with this rank's gradient :math:`g_r`, :math:`W` ranks:
@@ -141,6 +142,7 @@ class OnebitAdam(OnebitOptimizer):
             auto_mask=auto_mask,
             gradient_release=gradient_release,
         )
+        self._init_units()
 
     def _initial_schedule(self) -> dict[str, Any]:
         return {"step": 0, "variance_steps": 0}
@@ -165,6 +167,14 @@ class OnebitAdam(OnebitOptimizer):
     def _needs_average(self, t: int) -> bool:
         return t <= self.freeze_step
 
+    def momentum_weight(self) -> float:
+        """``1 - beta1``, the weight of the gradient in the momentum update (one beta1 for all groups:
+        compression units and the overlap hook need it)."""
+        beta1s = {group["betas"][0] for group in self.param_groups}
+        if len(beta1s) != 1:
+            raise ValueError(f"betas: per-bucket compression needs one beta1 for every param group, got {sorted(beta1s)}")
+        return 1.0 - float(beta1s.pop())
+
     def _reads_param_grads(self, t: int) -> bool:
         return t > self.freeze_step  # the compression stage lerps the momentum straight from p.grad
 
@@ -174,6 +184,8 @@ class OnebitAdam(OnebitOptimizer):
             if self.average_grads:
                 self._average_(self._scratch(layout, "grad")[0])
             self._sched["variance_steps"] += 1
+        elif self.uses_units:  # per DDP bucket (units.py); the overlap hook may have done some already
+            self._compress_units(layout, self._param_grads, self.momentum_weight())
         else:
             grads = self._local_grads(layout)
             beta1s = {self.param_groups[gi]["betas"][0] for gi, _ in layout.buckets}

@@ -26,6 +26,14 @@ class OnebitStateDictMixin:
                 f"they were saved by rank {rank} of {world} and this is rank {self._world()[1]} of {self._world()[0]}"
             )
 
+    # Compression units (units.py) keep their own error buffers; optimizers without units have none.
+    def _units_state(self) -> dict[str, Any] | None:
+        return None
+
+    def _load_units_state(self, saved: dict[str, Any] | None) -> None:
+        if saved is not None:
+            raise ValueError(f"state_dict: holds per-bucket compression units, which {type(self).__name__} has not")
+
     def _warn_errors_reset(self, why: str) -> None:
         warnings.warn(
             f"{type(self).__name__}: the compression error buffers are re-initialised to zero because {why}; "
@@ -54,6 +62,7 @@ class OnebitStateDictMixin:
             "rank": origin[1],
             "worker_error": errors["worker_error"],
             "server_error": errors["server_error"],
+            "units": self._units_state(),  # per DDP bucket (units.py), None for the whole-model call
         }
         return sd
 
@@ -81,6 +90,7 @@ class OnebitStateDictMixin:
         self._sched = copy.deepcopy(schedule)
         self.compressor.load_state_dict({key: onebit.get(key) for key in
                                          ("worker_error", "server_error", "world_size", "rank")})
+        self._load_units_state(onebit.get("units"))
 
     # ------------------------------------------------------------------ per-rank parts
     @classmethod
@@ -107,5 +117,5 @@ class OnebitStateDictMixin:
         onebit = state_dict.get("onebit")
         if not isinstance(onebit, dict):
             return state_dict, False
-        had = onebit.get("worker_error") is not None
-        return {**state_dict, "onebit": {**onebit, "worker_error": None, "server_error": None}}, had
+        had = onebit.get("worker_error") is not None or onebit.get("units") is not None
+        return {**state_dict, "onebit": {**onebit, "worker_error": None, "server_error": None, "units": None}}, had
