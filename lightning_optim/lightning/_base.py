@@ -35,6 +35,7 @@ from lightning_optim.lightning._telemetry import _ByteCountingMixin
 from lightning_optim.lightning.convert import retarget_schedulers, to_onebit
 from lightning_optim.onebit import OnebitAdam, OnebitLamb, OnebitOptimizer, ZeroOneAdam
 from lightning_optim.onebit.base import _auto_mask_ratio
+from lightning_optim.onebit.overlap import OverlapState, bind_overlap, check_trains_ddp_params, onebit_overlap_hook
 
 __all__ = ["CHECKPOINT_KEY", "DEFAULT_TIMEOUT_S", "rank_file"]
 
@@ -197,6 +198,10 @@ class _OnebitAdamMixin(_OnebitStrategyMixin):
     Args:
         freeze_step: warmup steps (``OnebitAdam``'s default, 100000, when None).
         auto_mask: ``OnebitAdam``'s (True when None; False: off; or the ratio, see docs/onebit.md).
+        overlap: exchange the momenta of each unit of params while backward still runs (the comm hook of
+            ``lightning_optim.onebit.overlap``) instead of in ``optimizer.step()``; not with
+            ``gradient_clip_val`` (the momentum is updated before clipping could run) or master weights.
+        overlap_unit_mb: the size of a compression unit with ``overlap`` (None: DDP's ``bucket_cap_mb``).
         timeout: collective timeout in seconds (or a ``timedelta``).
         telemetry: log ``comm/*`` metrics per step (adds :class:`CommTelemetry`).
         **kwargs: ``DDPStrategy`` arguments.
@@ -204,8 +209,52 @@ class _OnebitAdamMixin(_OnebitStrategyMixin):
 
     optimizer_class = OnebitAdam
 
-    def __init__(self, freeze_step: int | None = None, auto_mask: bool | float | None = None, **kwargs: Any) -> None:
+    def __init__(self, freeze_step: int | None = None, auto_mask: bool | float | None = None, overlap: bool = False,
+                 overlap_unit_mb: float | None = None, **kwargs: Any) -> None:
+        if not isinstance(overlap, bool):
+            raise TypeError(f"{type(self).__name__}: overlap must be True or False, got {overlap!r}")
+        if overlap_unit_mb is not None and not overlap:
+            raise ValueError(f"{type(self).__name__}: overlap_unit_mb needs overlap=True")
+        self._overlap, self._overlap_unit_mb = overlap, overlap_unit_mb
+        self._overlap_state: OverlapState | None = None
         super().__init__(knobs={"freeze_step": freeze_step, "auto_mask": auto_mask}, **kwargs)
+
+    @property
+    def overlap_state(self) -> OverlapState | None:
+        """The overlap hook's state (``units_overlapped``) when ``overlap=True``."""
+        return self._overlap_state
+
+    def setup(self, trainer: Any) -> None:
+        if self._overlap and trainer.gradient_clip_val:
+            raise ValueError(f"{type(self).__name__}: overlap=True updates the momentum from each bucket's "
+                             "gradients during backward, before gradient_clip_val could clip them; drop one")
+        super().setup(trainer)
+        if self._overlap_state is not None and self._onebit is not None:
+            try:  # after the precision plugin's setup: master weights swap fp32 copies into the optimizer
+                check_trains_ddp_params(self.model, self._onebit)
+            except ValueError as exc:
+                raise ValueError(f"{type(self).__name__}: {exc}") from None
+
+    def _register_ddp_hooks(self) -> None:
+        if not self._overlap:
+            return super()._register_ddp_hooks()
+        self._overlap_state = OverlapState()  # averages like DDP until the optimizer is bound
+        self._switch = self._overlap_state.allreduce
+        self.model.register_comm_hook(self._overlap_state, onebit_overlap_hook)
+        return None
+
+    def setup_optimizers(self, trainer: Any) -> None:
+        super().setup_optimizers(trainer)
+        if self._overlap_state is not None:
+            try:
+                bind_overlap(self._overlap_state, self.model, self._onebit, self._overlap_unit_mb)
+            except ValueError as exc:
+                raise ValueError(f"{type(self).__name__}: {exc}") from None
+
+    def teardown(self) -> None:
+        if self._overlap_state is not None:
+            self._overlap_state.close()
+        super().teardown()
 
 
 class _ZeroOneAdamMixin(_OnebitStrategyMixin):

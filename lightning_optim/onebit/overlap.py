@@ -30,14 +30,15 @@ import torch
 
 from lightning_optim.comm.hooks import SwitchableAllreduceState, switchable_allreduce_hook
 
-__all__ = ["OverlapState", "onebit_overlap_hook", "overlap_with_ddp"]
+__all__ = ["OverlapState", "bind_overlap", "check_trains_ddp_params", "onebit_overlap_hook", "overlap_with_ddp"]
 
 
 @dataclass
 class OverlapState:
-    """State of :func:`onebit_overlap_hook` (``overlap_with_ddp`` makes it)."""
+    """State of :func:`onebit_overlap_hook` (``overlap_with_ddp`` makes it). Until an optimizer is bound
+    (:func:`bind_overlap`) the hook averages every bucket as DDP does."""
 
-    optimizer: Any
+    optimizer: Any = None
     overlap: bool = True
     allreduce: SwitchableAllreduceState = field(default_factory=SwitchableAllreduceState)
     units_overlapped: int = 0
@@ -69,7 +70,7 @@ def onebit_overlap_hook(state: OverlapState, bucket) -> torch.futures.Future[tor
     completes runs on the communication thread (``overlap=False``: at ``step()`` time); the bucket goes
     back unchanged (this rank's gradients)."""
     opt = state.optimizer
-    if opt.needs_averaged_grads:
+    if opt is None or opt.needs_averaged_grads:
         return switchable_allreduce_hook(state.allreduce, bucket)
     buffer = bucket.buffer()
     if not state.overlap:
@@ -102,14 +103,25 @@ def onebit_overlap_hook(state: OverlapState, bucket) -> torch.futures.Future[tor
     return result
 
 
-def overlap_with_ddp(ddp_model: torch.nn.parallel.DistributedDataParallel, optimizer: Any, *,
-                     overlap: bool = True, unit_mb: float | None = None) -> OverlapState:
-    """Register :func:`onebit_overlap_hook` on ``ddp_model`` for ``optimizer`` (an ``OnebitAdam`` over
-    the model's params, ``average_grads=False``: the hook averages the warmup gradients); return its state.
-    ``unit_mb``: the size of a compression unit in MB of fp32 momenta (None: DDP's ``bucket_cap_mb``).
+def check_trains_ddp_params(ddp_model: torch.nn.Module, optimizer: Any) -> None:
+    """ValueError unless ``optimizer`` trains every trainable param of ``ddp_model`` (the hook reads the
+    gradients of DDP's buckets as the optimizer's own)."""
+    module = getattr(ddp_model, "module", ddp_model)
+    trained = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    missing = [name for name, p in module.named_parameters() if p.requires_grad and id(p) not in trained]
+    if missing:
+        raise ValueError(f"optimizer: it does not train {len(missing)} of the DDP model's params ({', '.join(missing[:3])}"
+                         f"{', ...' if len(missing) > 3 else ''}); the overlap hook needs the optimizer over the model's "
+                         "own params (master weights keep separate fp32 copies)")
 
-    Raises ValueError (before registering anything) for another optimizer, ``average_grads=True``,
-    param groups with different ``beta1``, ``overlap`` that is not a bool or ``unit_mb`` <= 0."""
+
+def bind_overlap(state: OverlapState, ddp_model: torch.nn.parallel.DistributedDataParallel, optimizer: Any,
+                 unit_mb: float | None = None) -> None:
+    """Bind ``optimizer`` (an ``OnebitAdam`` over ``ddp_model``'s params, ``average_grads=False``) to the
+    hook ``state``; its compression units become ``unit_mb`` MB of fp32 momenta (None: DDP's bucket size).
+
+    Raises ValueError, before anything changes, for another optimizer, ``average_grads=True``, param
+    groups with different ``beta1`` or ``unit_mb`` <= 0."""
     from lightning_optim.onebit.adam import OnebitAdam
 
     if not isinstance(optimizer, OnebitAdam):
@@ -117,14 +129,24 @@ def overlap_with_ddp(ddp_model: torch.nn.parallel.DistributedDataParallel, optim
     if optimizer.average_grads:
         raise ValueError("optimizer: build OnebitAdam with average_grads=False; the hook averages the warmup "
                          "gradients in DDP's buckets")
+    optimizer.momentum_weight()  # one beta1 for every group (raises otherwise)
+    check_trains_ddp_params(ddp_model, optimizer)
+    if unit_mb is not None and (isinstance(unit_mb, bool) or not isinstance(unit_mb, (int, float)) or unit_mb <= 0):
+        raise ValueError(f"unit_mb must be a positive number of MB, got {unit_mb!r}")
+    cap_bytes = ddp_model.bucket_bytes_cap if unit_mb is None else unit_mb * 1024 * 1024
+    optimizer.set_compression_units(max(1, int(cap_bytes) // 4))
+    optimizer.ddp_allreduce_managed = True
+    state.allreduce.group = optimizer.process_group
+    state.optimizer = optimizer
+
+
+def overlap_with_ddp(ddp_model: torch.nn.parallel.DistributedDataParallel, optimizer: Any, *,
+                     overlap: bool = True, unit_mb: float | None = None) -> OverlapState:
+    """Register :func:`onebit_overlap_hook` on ``ddp_model`` for ``optimizer`` (see :func:`bind_overlap`);
+    return its state. ``overlap=False`` compresses the same units at ``step()`` time instead."""
     if not isinstance(overlap, bool):
         raise ValueError(f"overlap must be True or False, got {overlap!r}")
-    optimizer.momentum_weight()  # one beta1 for every group (raises otherwise)
-    cap_bytes = ddp_model.bucket_bytes_cap if unit_mb is None else unit_mb * 1024 * 1024
-    if isinstance(unit_mb, bool) or not cap_bytes > 0:
-        raise ValueError(f"unit_mb must be a positive number of MB, got {unit_mb!r}")
-    optimizer.set_compression_units(max(1, int(cap_bytes) // 4))
-    state = OverlapState(optimizer, overlap, SwitchableAllreduceState(group=optimizer.process_group))
+    state = OverlapState(overlap=overlap)
+    bind_overlap(state, ddp_model, optimizer, unit_mb)
     ddp_model.register_comm_hook(state, onebit_overlap_hook)
-    optimizer.ddp_allreduce_managed = True
     return state

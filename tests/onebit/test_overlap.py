@@ -51,14 +51,26 @@ def test_units_cut_last_to_first_under_the_cap():
 def test_bad_arguments_are_refused_before_any_hook(make, kwargs, match):
     params = [torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(2))]
 
-    class NotDDP:
+    class NotDDP(torch.nn.Module):  # DDP's attributes the checks read; registering must not happen
         bucket_bytes_cap = 1 << 20
+
+        def __init__(self):
+            super().__init__()
+            self.module = torch.nn.ParameterList(params)
 
         def register_comm_hook(self, *a):
             raise AssertionError("registered despite a bad argument")
 
     with pytest.raises(ValueError, match=match):
         overlap_with_ddp(NotDDP(), make(params), **kwargs)
+
+
+def test_an_optimizer_that_misses_model_params_is_refused():
+    params = [torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(2))]
+    module = torch.nn.ParameterList(params)
+    opt = lightning_optim.OnebitAdam(params[:1], average_grads=False)
+    with pytest.raises(ValueError, match=r"does not train 1 of the DDP model's params \(1\)"):
+        lightning_optim.onebit.overlap.check_trains_ddp_params(module, opt)
 
 
 def test_set_compression_units_checks_its_cap():
