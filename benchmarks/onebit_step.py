@@ -9,13 +9,17 @@ counts; medians are reported for
 * ``OnebitAdam warmup``: ``OnebitAdamStrategy`` before ``freeze_step`` (the switchable fp32
   allreduce, full-precision Adam);
 * ``OnebitAdam compression``: after ``freeze_step`` (DDP's allreduce off, 1-bit momentum
-  allreduce): the goal is >= 3x faster than DDP + AdamW.
+  allreduce): the goal is >= 3x faster than DDP + AdamW;
+* ``--overlap`` adds two more runs (issue 13, item 3): ``OnebitAdamStrategy(overlap=True)`` (each unit
+  of momenta exchanged from DDP's comm hook while backward runs) and the same with the 1-bit
+  collectives replaced by local copies (``no comm``: every pass computed, nothing on the wire); the
+  goal is an overlapped compression step within 1.15x of the no-comm one.
 
     python benchmarks/onebit_step.py --netns      # ranks in two network namespaces on a veth pair
                                                  # shaped to --rate (1gbit) with tc tbf (root +
                                                  # iproute2; prints a note and exits 0 otherwise)
     python benchmarks/onebit_step.py              # loopback (127.0.0.1)
-Options: --model small|tiny --batch 4 --seq-len 64 --warmup-steps 6 --steps 12 --threads 1
+Options: --model small|tiny --batch 4 --seq-len 64 --warmup-steps 6 --steps 12 --threads 1 --overlap --unit-mb MB
 (--steps timed steps per stage after --skip 2). The --netns mode uses only 10.123.0.1/2 inside
 the namespaces it creates (benchmarks/comm.py: netns_pair) and deletes them on exit.
 """
@@ -69,18 +73,43 @@ def _fit(args, mode: str) -> list[list[float]]:
             self.times.append([now - self._start, now - self._opt])
 
     pl.seed_everything(0)
-    steps = args.warmup_steps + args.steps + args.skip if mode == "onebit" else args.steps + args.skip
+    if mode == "nocomm":
+        _remove_onebit_communication()
+    steps = args.warmup_steps + args.steps + args.skip if mode != "ddp" else args.steps + args.skip
     data = torch.randint(0, 256, (steps * args.batch * 2, args.seq_len + 1), generator=torch.Generator().manual_seed(1))
     model = LanguageModel(MODELS[args.model], args.seq_len, scheduler=None,
                           optimizer=functools.partial(torch.optim.AdamW, lr=1e-3, weight_decay=0.1))
     strategy = (DDPStrategy(find_unused_parameters=False) if mode == "ddp"
-                else OnebitAdamStrategy(freeze_step=args.warmup_steps, telemetry=False))
+                else OnebitAdamStrategy(freeze_step=args.warmup_steps, telemetry=False,
+                                        overlap=mode in ("overlap", "nocomm"),
+                                        overlap_unit_mb=args.unit_mb if mode in ("overlap", "nocomm") else None))
     timer = StepTimer()
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, logger=False,
                          callbacks=[timer], limit_val_batches=0, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(model, train_dataloaders=torch.utils.data.DataLoader(data, batch_size=args.batch))
     return timer.times
+
+
+def _remove_onebit_communication() -> None:
+    """The 1-bit allreduce's collectives become local copies of the right shapes (every pass still
+    runs on real data; nothing goes on the wire), and the per-call and per-step agreements are skipped.
+    DDP's warmup allreduce is untouched (warmup steps are not compared)."""
+    import torch.distributed as dist
+
+    import lightning_optim.comm.compressed as compressed
+    from lightning_optim.onebit.base import OnebitOptimizer
+
+    def local(name, fn, *args, group=None, **kwargs):
+        out, inp = args
+        if fn is dist.all_to_all_single:
+            out.copy_(inp)
+        else:  # all_gather of one row per rank
+            out.view(-1, inp.numel()).copy_(inp.view(1, -1).expand(out.numel() // inp.numel(), -1))
+
+    compressed.collective = local
+    compressed._agree = lambda *a, **k: None
+    OnebitOptimizer._agree = lambda *a, **k: None
 
 
 def worker(args) -> None:
@@ -95,7 +124,7 @@ def worker(args) -> None:
     torch.set_num_threads(args.threads)
     out = {}
     for repeat in range(args.repeats):  # interleaved, so load changes hit both
-        for mode in ("ddp", "onebit"):
+        for mode in ("ddp", "onebit") + (("overlap", "nocomm") if args.overlap else ()):
             out.setdefault(mode, []).append(_fit(args, mode))
     gathered = [None, None]
     dist.all_gather_object(gathered, out)
@@ -109,8 +138,8 @@ def _launch(args, addr: str, port: int, prefixes=(None, None), envs=(None, None)
     for rank in range(2):
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--rank", str(rank), "--addr", addr,
                "--port", str(port)] + [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
-                                       if k in ("model", "batch", "seq_len", "warmup_steps", "steps", "skip",
-                                                "threads", "repeats")]
+                                       if v is not None and k in ("model", "batch", "seq_len", "warmup_steps", "steps",
+                                                                  "skip", "threads", "repeats", "overlap", "unit_mb")]
         if prefixes[rank]:
             cmd = list(prefixes[rank]) + cmd
         procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=dict(os.environ, **(envs[rank] or {}))))
@@ -148,6 +177,15 @@ def report(args, ranks: list, mode: str) -> None:
           f"   ({med['ddp'] / med['warmup']:.2f}x DDP's step time)")
     print(f"OnebitAdam compression  : {med['compression'] * 1e3:8.1f} ms   {opt['compression'] * 1e3:8.1f} ms")
     print(f"ratio DDP / compression : {med['ddp'] / med['compression']:6.2f}x   (goal >= 3x)")
+    if args.overlap:
+        for name in ("overlap", "nocomm"):
+            med[name] = statistics.median(slowest(name, w + skip, w + skip + n, 0))
+            opt[name] = statistics.median(slowest(name, w + skip, w + skip + n, 1))
+        print(f"compression, overlapped : {med['overlap'] * 1e3:8.1f} ms   {opt['overlap'] * 1e3:8.1f} ms")
+        print(f"compression, no comm    : {med['nocomm'] * 1e3:8.1f} ms   {opt['nocomm'] * 1e3:8.1f} ms"
+              "   (the 1-bit collectives replaced by local copies)")
+        print(f"overlapped / no comm    : {med['overlap'] / med['nocomm']:6.2f}x   (goal <= 1.15x); "
+              f"not overlapped / no comm: {med['compression'] / med['nocomm']:.2f}x")
     print("JSON " + json.dumps({"mode": mode, "model": args.model, "params": params, "batch": args.batch,
                                 "seq_len": args.seq_len, "ms": {k: v * 1e3 for k, v in med.items()},
                                 "optimizer_ms": {k: v * 1e3 for k, v in opt.items()},
@@ -171,6 +209,8 @@ def main(argv=None) -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--netns", action="store_true")
+    p.add_argument("--overlap", type=lambda v: v in ("1", "True", "true"), nargs="?", const=True, default=False)
+    p.add_argument("--unit-mb", type=float, default=None, help="compression unit size with --overlap (MB of fp32; default: DDP's bucket_cap_mb)")
     p.add_argument("--rate", default="1gbit")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)

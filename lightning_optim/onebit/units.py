@@ -8,7 +8,7 @@ a unit :math:`U` with this rank's gradients :math:`g_U`, one call
 .. math:: m_U \leftarrow C\big(\mathrm{lerp}(m_U, g_U, 1-\beta_1)\big)
 
 runs the error-compensated 1-bit average :math:`C` (``compressed_allreduce``, one scale per param, as
-the whole-model call) over the unit's momenta gathered into one buffer, with the unit's own error
+the whole-model call) in place on the unit's slice of the flat momentum buffer, with its own error
 buffers. The result depends only on the unit, its gradients and its error buffers, not on the thread,
 the moment or the order in which units run: the overlapped path (a DDP comm hook hands each unit to a
 communication thread once DDP has all its gradients) and the step-time path (every unit one after the
@@ -36,18 +36,19 @@ Unit = tuple[int, ...]
 
 
 def cut_units(numels: list[int], cap: int) -> list[Unit]:
-    """Positions ``len(numels) - 1 .. 0`` cut into runs of at most ``cap`` elements (at least one each)."""
+    """Positions ``len(numels) - 1 .. 0`` cut into runs of at most ``cap`` elements (at least one each);
+    each run listed in ascending order, so that its momenta are one slice of the flat buffer."""
     units: list[Unit] = []
     run: list[int] = []
     size = 0
     for i in reversed(range(len(numels))):
         if run and size + numels[i] > cap:
-            units.append(tuple(run))
+            units.append(tuple(reversed(run)))
             run, size = [], 0
         run.append(i)
         size += numels[i]
     if run:
-        units.append(tuple(run))
+        units.append(tuple(reversed(run)))
     return units
 
 
@@ -137,11 +138,11 @@ class CompressionUnitsMixin:
         views = [self._flat_views["exp_avg"][i] for i in unit]
         numels = [layout.numels[i] for i in unit]
         grads = [torch.zeros_like(v) if g is None else g for g, v in zip(grads, views)]
-        buffer = torch.cat([v.reshape(-1) for v in views])
+        start = layout.offsets[unit[0]]
+        buffer = self._flats["exp_avg"][start:start + sum(numels)]  # the unit's positions are consecutive
         worker, server = self._unit_errors(layout, unit)
         compressed_allreduce(buffer, worker, server, group=self.process_group, segments=numels,
                              momentum=([g for g, n in zip(grads, numels) if n], w1))
-        torch._foreach_copy_(views, [piece.view_as(v) for piece, v in zip(buffer.split(numels), views)])
 
     def _compress_units(self, layout: Layout, grads: list[Tensor | None], w1: float) -> None:
         """Step time: every unit the hook did not compress for this step, in unit order."""

@@ -35,8 +35,8 @@ def test_overlapped_equals_step_time_units_over_the_switch_and_a_resume(tmp_path
 
 
 def test_units_cut_last_to_first_under_the_cap():
-    assert cut_units([4, 4, 4, 10, 1], cap=8) == [(4,), (3,), (2, 1), (0,)]
-    assert cut_units([3, 3, 3], cap=100) == [(2, 1, 0)]
+    assert cut_units([4, 4, 4, 10, 1], cap=8) == [(4,), (3,), (1, 2), (0,)]
+    assert cut_units([3, 3, 3], cap=100) == [(0, 1, 2)]
     assert cut_units([], cap=8) == []
 
 
