@@ -130,6 +130,7 @@ def worker(args) -> None:
     dist.all_gather_object(gathered, out)
     if args.rank == 0:
         print("RESULT " + json.dumps(gathered), flush=True)
+    dist.destroy_process_group()  # shut gloo's threads down before interpreter exit
 
 
 # ----------------------------------------------------------------------------- parent side
