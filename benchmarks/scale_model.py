@@ -183,12 +183,17 @@ def validate(args) -> list[dict]:
                 out.append({"world": world, "numel": n, "collective": label, "measured_ms": m * 1e3,
                             "model_ms": model_s * 1e3, "error": (model_s - m) / m,
                             "fitted": world == 2 and key == "fp32"})
-    print("| W | elements | what | measured ms | model ms | model error |\n|---|---:|---|---:|---:|---:|")
-    for r in out:
-        note = " (fit)" if r["fitted"] else ""
-        print(f"| {r['world']} | {r['numel']:,} | {r['collective']} | {r['measured_ms']:.1f} | {r['model_ms']:.1f} | "
-              f"{r['error'] * 100:+.1f}%{note} |")
+    _print_errors(out, "ms", digits=1)
     return out
+
+
+def _print_errors(rows: list[dict], unit: str, digits: int) -> None:
+    """The validation rows as a markdown table (times in ``unit``, the 2-rank fp32 fit marked)."""
+    print(f"| W | elements | what | measured {unit} | model {unit} | model error |\n|---|---:|---|---:|---:|---:|")
+    for r in rows:
+        note = " (fit)" if r["fitted"] else ""
+        print(f"| {r['world']} | {r['numel']:,} | {r['collective']} | {r['measured_' + unit]:.{digits}f} | "
+              f"{r['model_' + unit]:.{digits}f} | {r['error'] * 100:+.1f}%{note} |")
 
 
 def validate_latency(args) -> list[dict]:
@@ -219,11 +224,7 @@ def validate_latency(args) -> list[dict]:
                 out.append({"world": world, "numel": n, "collective": label, "measured_us": m * 1e6,
                             "model_us": model_s * 1e6, "error": (model_s - m) / m,
                             "fitted": world == 2 and key == "fp32"})
-    print("| W | elements | what | measured us | model us | model error |\n|---|---:|---|---:|---:|---:|")
-    for r in out:
-        note = " (fit)" if r["fitted"] else ""
-        print(f"| {r['world']} | {r['numel']:,} | {r['collective']} | {r['measured_us']:.0f} | {r['model_us']:.0f} | "
-              f"{r['error'] * 100:+.1f}%{note} |")
+    _print_errors(out, "us", digits=0)
     return out
 
 
