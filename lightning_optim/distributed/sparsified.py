@@ -128,13 +128,13 @@ class CentralizedSparsifiedSGD(CommunicatingOptimizer, SparsifiedSGD):
                 "from backward hooks would run those collectives in each rank's own order")
 
     # ------------------------------------------------------------------ stepping
-    def _params_with_grad(self, group: dict[str, Any]) -> tuple[list[Tensor], list[Tensor]]:
+    def _params_with_grad(self, group: dict[str, Any]) -> tuple[list[Tensor], list[Tensor], bool]:
         # every trainable param, every step: the ranks must run the same collectives
         params = [p for p in group["params"] if p.requires_grad]
         for p in params:
             if p.grad is not None and p.grad.is_sparse:
                 raise ValueError("grad: sparse gradients are not supported; use dense gradients")
-        return params, grads_or_zeros(params)
+        return params, grads_or_zeros(params), False
 
     def _before_step(self, work: list[tuple[dict[str, Any], list[Tensor]]]) -> None:
         error = None

@@ -32,13 +32,14 @@ from types import ModuleType
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from lightning_optim.ops import _loader, custom_ops  # noqa: F401  (custom_ops registers torch.ops.lightning_optim)
 from lightning_optim.ops._loader import BuildError, build_root
 from lightning_optim.ops.fused import OPTIMIZER_KERNELS, RAW_KERNELS, supports
 
-__all__ = ["BACKENDS", "ENV_VAR", "BuildError", "backend_for", "build", "build_root", "extension", "kernel",
-           "raw_kernel", "requested_backend"]
+__all__ = ["BACKENDS", "ENV_VAR", "BuildError", "backend_for", "build", "build_root", "extension", "grads_of",
+           "kernel", "raw_kernel", "requested_backend"]
 
 ENV_VAR = "LIGHTNING_OPTIM_BACKEND"
 BACKENDS = ("torch", "cpu", "cuda")
@@ -120,6 +121,22 @@ def kernel(name: str, batch: Any) -> Any | None:
     if cached is None or cached[0] is not module:
         cached = _kernels[name] = (module, OPTIMIZER_KERNELS[name](module))
     return cached[1]
+
+
+def grads_of(params: list[Tensor]) -> tuple[list[Tensor], list[Tensor], bool] | None:
+    """``(the params that have a grad, their grads, whether all of both are dense and contiguous)``,
+    read in one compiled pass; None where Python reads them instead (torch backend, while tracing, a
+    param that is a Tensor subclass). The same objects as ``p.grad``, ~2x faster on cold caches."""
+    if not params or not isinstance(params, list) or torch.compiler.is_compiling():
+        return None
+    if backend_for(params[0].device) == "torch":
+        return None
+    return _loader.build().grads_of(params)
+
+
+def loaded_extension() -> ModuleType | None:
+    """The compiled module if something already loaded it (never builds; None while tracing)."""
+    return None if torch.compiler.is_compiling() else _loader._module
 
 
 def raw_kernel(name: str, device: torch.device | str) -> Any | None:

@@ -16,12 +16,13 @@ True)`` without flattened grads) never repeat: after two misses the bucket stops
 from __future__ import annotations
 
 import operator
+from types import ModuleType
 from typing import Any
 
 import torch
 from torch import Tensor
 
-__all__ = ["adjacent_runs", "coalesced", "span"]
+__all__ = ["adjacent_runs", "coalesced", "same_items", "span"]
 
 GIVE_UP_AFTER = 2
 
@@ -56,25 +57,39 @@ def span(tensors: list[Tensor]) -> Tensor:
         first.untyped_storage(), first.storage_offset(), (total,), (1,))
 
 
-def _same(lists: dict[str, list[Tensor]], entry: dict[str, Any]) -> bool:
-    originals = entry["originals"]
-    return (all(len(lists[name]) == len(tensors) and all(map(operator.is_, lists[name], tensors))
-                for name, tensors in originals.items())
-            and list(map(Tensor.data_ptr, lists["params"])) == entry["param_ptrs"])
+def _param_ptrs(params: list[Tensor], ext: ModuleType | None) -> Any:
+    """Where every param's data starts: one bytes object from the extension, else a list of ints."""
+    found = ext.data_ptrs(params) if ext is not None else None
+    return found if found is not None else list(map(Tensor.data_ptr, params))
 
 
-def coalesced(cache: dict[str, Any] | None, lists: dict[str, list[Tensor]]) -> dict[str, list[Tensor]]:
+def same_items(a: list[Any], b: list[Any], ext: ModuleType | None = None) -> bool:
+    """``a`` and ``b`` hold the same objects in the same order (identity: tensors compare elementwise);
+    ``ext``: the compiled module, one pointer comparison per item instead of one Python call."""
+    if ext is not None and type(a) is list and type(b) is list:
+        return ext.same_items(a, b)
+    return len(a) == len(b) and all(map(operator.is_, a, b))
+
+
+def _same(lists: dict[str, list[Tensor]], entry: dict[str, Any], ext: ModuleType | None) -> bool:
+    return (all(same_items(lists[name], tensors, ext) for name, tensors in entry["originals"].items())
+            and _param_ptrs(lists["params"], ext) == entry["param_ptrs"])
+
+
+def coalesced(cache: dict[str, Any] | None, lists: dict[str, list[Tensor]],
+              ext: ModuleType | None = None) -> dict[str, list[Tensor]]:
     """``lists`` with adjacent tensors merged into spans where that shortens them, else ``lists`` as given.
 
     ``lists`` maps a kernel's list arguments to their tensors (``params`` and ``grads`` required, empty
-    lists allowed); ``cache``: the bucket's cache dict (None: work it out without keeping it)."""
+    lists allowed); ``cache``: the bucket's cache dict (None: work it out without keeping it); ``ext``:
+    the compiled module, whose one-call pointer read makes the per-step check cheaper."""
     params = lists["params"]
     if len(params) < 2 or torch.compiler.is_compiling():
         return lists
     cache = {} if cache is None else cache
     entry = cache.get("entry")
     if entry is not None:
-        if _same(lists, entry):
+        if _same(lists, entry, ext):
             return entry["merged"]
         cache["misses"] = cache.get("misses", 0) + 1
         del cache["entry"]
@@ -87,5 +102,5 @@ def coalesced(cache: dict[str, Any] | None, lists: dict[str, list[Tensor]]) -> d
         return lists
     merged = {name: [span(tensors[a:b]) for a, b in runs] if tensors else tensors for name, tensors in lists.items()}
     cache["entry"] = {"originals": {name: list(tensors) for name, tensors in lists.items()},
-                      "param_ptrs": list(map(Tensor.data_ptr, params)), "merged": merged}
+                      "param_ptrs": _param_ptrs(params, ext), "merged": merged}
     return merged

@@ -40,7 +40,7 @@ def supports(batch: Any, ext: ModuleType) -> bool:
         return False
     if torch.compiler.is_compiling():  # read from the traced strides, guarded by dynamo: no check left at run time
         return all(t.is_contiguous() for t in (*batch.params, *batch.raw_grads))
-    return ext.all_contiguous(batch.params, batch.raw_grads)
+    return batch.contiguous or ext.all_contiguous(batch.params, batch.raw_grads)
 
 
 def _comps(batch: Any) -> list[Tensor]:
@@ -99,7 +99,7 @@ def adam(ext: ModuleType) -> Callable[..., None]:
         lists = coalesced(batch.run_cache, dict(
             params=_params(batch), grads=batch.raw_grads, exp_avgs=batch.state("exp_avg"),
             exp_avg_sqs=batch.state("exp_avg_sq"), max_exp_avg_sqs=batch.state("max_exp_avg_sq") if amsgrad else [],
-            kahan_comps=_comps(batch), param_copies=batch.take_copies() if apply else []))
+            kahan_comps=_comps(batch), param_copies=batch.take_copies() if apply else []), ext=ext)
         launch(ext, "adam", **lists, w1=1 - beta1, beta2=beta2, c2=1 - beta2, step=-lr / bc1,
                sqrt_bc2=math.sqrt(bc2), eps=eps, l2=l2, keep=keep, neg_decay=neg, apply=apply)
     return run
@@ -117,7 +117,7 @@ def sgd(ext: ModuleType) -> Callable[..., None]:
             return
         keep, neg = _decay(decay_coefficient(lr, *decay_rule))
         lists = coalesced(batch.run_cache, {k: common.pop(k) for k in ("params", "grads", "momentum_buffers",
-                                                                        "kahan_comps")})
+                                                                        "kahan_comps")}, ext=ext)
         ext.sgd(**lists, **common, neg_lr=-lr, keep=keep, neg_decay=neg)
     return run
 
@@ -131,7 +131,8 @@ def lion(ext: ModuleType) -> Callable[..., None]:
             torch.ops.lightning_optim.lion_at_lr(**common, lr=_lr_tensor(lr), wd=decay_rule[0], max_lr=decay_rule[1])
             return
         keep, neg = _decay(decay_coefficient(lr, *decay_rule))
-        lists = coalesced(batch.run_cache, {k: common.pop(k) for k in ("params", "grads", "exp_avgs", "kahan_comps")})
+        lists = coalesced(batch.run_cache, {k: common.pop(k) for k in ("params", "grads", "exp_avgs", "kahan_comps")},
+                          ext=ext)
         ext.lion(**lists, **common, neg_lr=-lr, keep=keep, neg_decay=neg)
     return run
 

@@ -32,6 +32,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_optim import ops
+from lightning_optim.ops.coalesce import same_items
 from lightning_optim.ops.fused import decay_coefficient
 from lightning_optim.optim.batch import LOW_PRECISION, Batch, bucket_slices
 from lightning_optim.optim.bucket_states import check_state, pack_states
@@ -79,7 +81,7 @@ class BaseOptimizer(torch.optim.Optimizer):
         self._optimizer_accumulation = False
         self._released = False
         self._warned_kahan = False
-        self._plans: dict[int, tuple[tuple, list]] = {}
+        self._plans: dict[int, tuple[tuple, list[Tensor], list]] = {}  # group id -> (settings, params, plan)
         # One dict per bucket slice of the current plans (ops/coalesce.py), keyed by its first state dict.
         self._run_caches: dict[int, dict[str, Any]] = {}
         self._group_index: dict[int, int] | None = None
@@ -187,12 +189,12 @@ class BaseOptimizer(torch.optim.Optimizer):
         # Collect and check every gradient and every state first: bad input or state must not leave
         # a half-done step (no step counter moves before all of them passed).
         work = [(group, *self._params_with_grad(group)) for group in self.param_groups]
-        plans = [self._plan(group, params) if params else [] for group, params, _ in work]
-        self._before_step([(group, params) for group, params, _ in work])
+        plans = [self._plan(group, params) if params else [] for group, params, _, _ in work]
+        self._before_step([(group, params) for group, params, _, _ in work])
         try:
-            for (group, params, grads), plan in zip(work, plans):
+            for (group, params, grads, contiguous), plan in zip(work, plans):
                 if params:
-                    self._step_params(group, params, grads, plan)
+                    self._step_params(group, params, grads, plan, contiguous)
         finally:
             self._after_step()
         return loss
@@ -236,9 +238,17 @@ class BaseOptimizer(torch.optim.Optimizer):
     def _after_step(self) -> None:
         """Hook run after every ``step()``, also when it raised (drop per-step caches)."""
 
-    def _params_with_grad(self, group: dict[str, Any]) -> tuple[list[Tensor], list[Tensor]]:
-        """The params that have a gradient, and those gradients (``p.grad`` is read once: it is
-        not a cheap attribute)."""
+    def _params_with_grad(self, group: dict[str, Any]) -> tuple[list[Tensor], list[Tensor], bool]:
+        """The params that have a gradient, those gradients (``p.grad`` is read once: it is not a cheap
+        attribute) and whether all of both are dense and contiguous (False: not known)."""
+        found = ops.grads_of(group["params"])
+        if found is not None:  # one compiled pass
+            params, grads, contiguous = found
+            if not contiguous:
+                for g in grads:
+                    if g.is_sparse:
+                        _check_grad(g)
+            return params, grads, contiguous
         params, grads = [], []
         for p in group["params"]:
             g = p.grad
@@ -247,7 +257,7 @@ class BaseOptimizer(torch.optim.Optimizer):
                     _check_grad(g)
                 params.append(p)
                 grads.append(g)
-        return params, grads
+        return params, grads, False
 
     def _configured_compute_dtype(self, group: dict[str, Any], p: Tensor) -> torch.dtype:
         """The dtype of the states this optimizer creates for ``p``."""
@@ -295,13 +305,13 @@ class BaseOptimizer(torch.optim.Optimizer):
         step count. Cached while the same params get gradients: all members of a bucket then
         step together, so the buckets stay valid (a per-parameter step drops the cache)."""
         per_tensor = group.get("foreach") is False or self.per_tensor
-        key = (tuple(map(id, params)), per_tensor, group.get("fp32_state"), group.get("kahan_sum"))
+        key = (per_tensor, group.get("fp32_state"), group.get("kahan_sum"))
         cached = self._plans.get(id(group))
-        # reuse unless someone replaced a state dict from outside (opt.state[p] = {...})
-        if cached is not None and cached[0] == key and all(
-            states[0] is self.state.get(params[idx[0]]) for idx, states, _ in cached[1]
+        # reuse for the same params, unless someone replaced a state dict from outside (opt.state[p] = {...})
+        if cached is not None and cached[0] == key and same_items(cached[1], params, ops.loaded_extension()) and all(
+            states[0] is self.state.get(params[idx[0]]) for idx, states, _ in cached[2]
         ):
-            return cached[1]
+            return cached[2]
         # Under torch.compile this one-off (state creation, storage checks, packing) runs eagerly: one
         # graph break on the first step instead of tracing a zeros_like and a check per param.
         if torch.compiler.is_compiling():
@@ -325,21 +335,25 @@ class BaseOptimizer(torch.optim.Optimizer):
                 check_state(params[i], state, dtype, i)
         for idx, bucket_states, _ in plan:
             pack_states([params[i] for i in idx], bucket_states)
-        self._plans[id(group)] = (key, plan)
+        self._plans[id(group)] = (key, list(params), plan)
         self.__dict__.setdefault("_run_caches", {}).clear()  # state dicts may be new objects with old ids
         return plan
 
     def _step_params(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor],
-                     plan: list | None = None) -> None:
+                     plan: list | None = None, contiguous: bool = False) -> None:
         apply = not self._optimizer_accumulation
         for idx, states, dtype in plan if plan is not None else self._plan(group, params):
             for s in states:
                 s["step"] += 1
             step = states[0]["step"]
             for a, b in bucket_slices(params, idx, dtype):
-                part = idx[a:b]
-                self._step_batch(group, [params[i] for i in part], [grads[i] for i in part], states[a:b], step,
-                                 dtype, apply, self._run_cache(states[a]))
+                if b - a == len(params):  # the one bucket, whole: idx is 0..n-1, the lists as they are
+                    part_params, part_grads, part_states = params, grads, states
+                else:
+                    part = idx[a:b]
+                    part_params, part_grads, part_states = [params[i] for i in part], [grads[i] for i in part], states[a:b]
+                self._step_batch(group, part_params, part_grads, part_states, step, dtype, apply,
+                                 self._run_cache(states[a]), contiguous)
 
     def _run_cache(self, first_state: dict[str, Any]) -> dict[str, Any] | None:
         """The coalescing cache of the bucket slice starting at ``first_state`` (None under torch.compile:
@@ -350,10 +364,10 @@ class BaseOptimizer(torch.optim.Optimizer):
 
     def _step_batch(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor],
                     states: list[dict[str, Any]], step: int, dtype: torch.dtype, apply: bool,
-                    run_cache: dict[str, Any] | None = None) -> None:
+                    run_cache: dict[str, Any] | None = None, contiguous: bool = False) -> None:
         if group.get("maximize"):
             grads = torch._foreach_neg(grads)
-        batch = Batch(params, grads, states, step, dtype, run_cache=run_cache)
+        batch = Batch(params, grads, states, step, dtype, run_cache=run_cache, contiguous=contiguous)
         if not (self._compiled_tensor_lr and torch.compiler.is_compiling()):
             group = self.with_float_lr(group)  # compiled Adam/SGD/Lion hand the tensor to their op instead
         copies = [self._param_copies.get(id(p)) for p in params] if apply and self._param_copies else []

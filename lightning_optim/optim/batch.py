@@ -33,6 +33,9 @@ class Batch:
     copies_written: bool = False
     # The bucket's cache of coalesced kernel lists (ops/coalesce.py); None where the bucket has no plan.
     run_cache: dict[str, Any] | None = None
+    # True when params and raw grads are known dense and contiguous (the step's one-pass grad read
+    # checked them): the kernels' routing then skips its own check.
+    contiguous: bool = False
     _params_compute: list[Tensor] | None = field(default=None, repr=False)
     _grads: list[Tensor] | None = field(default=None, repr=False)
 

@@ -11,7 +11,7 @@ import torch
 from lightning_optim.ops.fused import OPTIMIZER_KERNELS, RAW_KERNELS
 
 BINDINGS = ["adam", "sgd", "lion", "adan", "lamb_moments", "lamb_apply", "lars_norms", "lars", "stable_moments",
-            "stable_apply", *RAW_KERNELS]
+            "stable_apply", "grads_of", "data_ptrs", "same_items", *RAW_KERNELS]
 
 
 def _arg_names(fn) -> list[str]:
