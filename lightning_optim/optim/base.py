@@ -5,7 +5,8 @@ An optimizer subclass writes its math once, in ``_update``, over *lists* of tens
 same-step tensors (``foreach=True``) or once per tensor with one-element lists (``foreach=False``,
 and gradient release). The two paths therefore run the same formula.
 
-Shared features handled here:
+Which params step together (buckets, their cached plans, the one-pass grad read) lives in
+:mod:`lightning_optim.optim.plans`. Shared features handled here:
 
 * **Validation** of every param group (defaults and per-group overrides) before it is added.
 * **Kahan summation** (``kahan_sum``): a low-precision parameter ``p`` with compensation ``c``
@@ -32,12 +33,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_optim import ops
-from lightning_optim.ops.coalesce import same_items
 from lightning_optim.ops.fused import decay_coefficient
 from lightning_optim.optim.batch import LOW_PRECISION, Batch, bucket_slices
-from lightning_optim.optim.bucket_states import check_state, pack_states
 from lightning_optim.optim.flat_params import FLAT_GRAD_ATTR
+from lightning_optim.optim.plans import BucketPlans, check_grad
 from lightning_optim.optim.state_dicts import prepare_state_dict
 from lightning_optim.optim.validation import (
     check_flag,
@@ -51,7 +50,7 @@ from lightning_optim.optim.validation import (
 ParamsT = Iterable[Tensor] | Iterable[dict[str, Any]]
 
 
-class BaseOptimizer(torch.optim.Optimizer):
+class BaseOptimizer(BucketPlans, torch.optim.Optimizer):
     """Base class: validation, dispatch, Kahan summation, accumulation, dtype-safe reloads.
 
     Shared keyword flags (subclasses pass them through ``defaults``):
@@ -238,27 +237,6 @@ class BaseOptimizer(torch.optim.Optimizer):
     def _after_step(self) -> None:
         """Hook run after every ``step()``, also when it raised (drop per-step caches)."""
 
-    def _params_with_grad(self, group: dict[str, Any]) -> tuple[list[Tensor], list[Tensor], bool]:
-        """The params that have a gradient, those gradients (``p.grad`` is read once: it is not a cheap
-        attribute) and whether all of both are dense and contiguous (False: not known)."""
-        found = ops.grads_of(group["params"])
-        if found is not None:  # one compiled pass
-            params, grads, contiguous = found
-            if not contiguous:
-                for g in grads:
-                    if g.is_sparse:
-                        _check_grad(g)
-            return params, grads, contiguous
-        params, grads = [], []
-        for p in group["params"]:
-            g = p.grad
-            if g is not None:
-                if g.is_sparse:  # torch's grad setter checks shape and dtype, not the layout
-                    _check_grad(g)
-                params.append(p)
-                grads.append(g)
-        return params, grads, False
-
     def _configured_compute_dtype(self, group: dict[str, Any], p: Tensor) -> torch.dtype:
         """The dtype of the states this optimizer creates for ``p``."""
         if p.dtype in LOW_PRECISION and group.get("fp32_state"):
@@ -297,48 +275,6 @@ class BaseOptimizer(torch.optim.Optimizer):
     def _init_state(self, group: dict[str, Any], p: Tensor, state: dict[str, Any], dtype: torch.dtype) -> None:
         """Subclasses create their state tensors (in ``dtype``) here."""
 
-    # Optimizers whose math must see one tensor at a time, in parameter order (random draws).
-    per_tensor = False
-
-    def _plan(self, group: dict[str, Any], params: list[Tensor]) -> list[tuple[list[int], list[dict], torch.dtype]]:
-        """Buckets of ``params`` updated together: same device, dtype, compute dtype, Kahan and
-        step count. Cached while the same params get gradients: all members of a bucket then
-        step together, so the buckets stay valid (a per-parameter step drops the cache)."""
-        per_tensor = group.get("foreach") is False or self.per_tensor
-        key = (per_tensor, group.get("fp32_state"), group.get("kahan_sum"))
-        cached = self._plans.get(id(group))
-        # reuse for the same params, unless someone replaced a state dict from outside (opt.state[p] = {...})
-        if cached is not None and cached[0] == key and same_items(cached[1], params, ops.loaded_extension()) and all(
-            states[0] is self.state.get(params[idx[0]]) for idx, states, _ in cached[2]
-        ):
-            return cached[2]
-        # Under torch.compile this one-off (state creation, storage checks, packing) runs eagerly: one
-        # graph break on the first step instead of tracing a zeros_like and a check per param.
-        if torch.compiler.is_compiling():
-            return _build_plan_outside_graph(self, group, params, key, per_tensor)
-        return self._build_plan(group, params, key, per_tensor)
-
-    def _build_plan(self, group: dict[str, Any], params: list[Tensor], key: tuple,
-                    per_tensor: bool) -> list[tuple[list[int], list[dict], torch.dtype]]:
-        states = [self._state_for(group, p) for p in params]
-        if per_tensor:
-            indices = [[i] for i in range(len(params))]
-        else:
-            by_key: dict[tuple, list[int]] = {}
-            for i, (p, s) in enumerate(zip(params, states)):
-                bucket_key = (p.device, p.dtype, self._compute_dtype(group, p), s["step"], "kahan_comp" in s)
-                by_key.setdefault(bucket_key, []).append(i)
-            indices = list(by_key.values())
-        plan = [(idx, [states[i] for i in idx], self._compute_dtype(group, params[idx[0]])) for idx in indices]
-        for idx, bucket_states, dtype in plan:
-            for i, state in zip(idx, bucket_states):
-                check_state(params[i], state, dtype, i)
-        for idx, bucket_states, _ in plan:
-            pack_states([params[i] for i in idx], bucket_states)
-        self._plans[id(group)] = (key, list(params), plan)
-        self.__dict__.setdefault("_run_caches", {}).clear()  # state dicts may be new objects with old ids
-        return plan
-
     def _step_params(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor],
                      plan: list | None = None, contiguous: bool = False) -> None:
         apply = not self._optimizer_accumulation
@@ -354,13 +290,6 @@ class BaseOptimizer(torch.optim.Optimizer):
                     part_params, part_grads, part_states = [params[i] for i in part], [grads[i] for i in part], states[a:b]
                 self._step_batch(group, part_params, part_grads, part_states, step, dtype, apply,
                                  self._run_cache(states[a]), contiguous)
-
-    def _run_cache(self, first_state: dict[str, Any]) -> dict[str, Any] | None:
-        """The coalescing cache of the bucket slice starting at ``first_state`` (None under torch.compile:
-        the traced step gets its lists as they are)."""
-        if torch.compiler.is_compiling():
-            return None
-        return self.__dict__.setdefault("_run_caches", {}).setdefault(id(first_state), {})
 
     def _step_batch(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor],
                     states: list[dict[str, Any]], step: int, dtype: torch.dtype, apply: bool,
@@ -464,7 +393,7 @@ class BaseOptimizer(torch.optim.Optimizer):
         grad = p.grad if grad is None else grad
         if grad is None:
             return
-        _check_grad(grad)
+        check_grad(grad)
         self._plans.clear()  # this param's step count now differs from its bucket's
         self._step_params(self._group_for(p), [p], [grad])
 
@@ -502,13 +431,3 @@ class BaseOptimizer(torch.optim.Optimizer):
             saved = prepared["state"].get(saved_id)
             if saved is not None:
                 self.state[p] = dict(saved)  # torch's casts replaced by the decided dtypes
-
-
-_build_plan_outside_graph = torch.compiler.disable(BaseOptimizer._build_plan)
-
-
-def _check_grad(grad: Tensor) -> None:
-    # torch's grad setter enforces the param's shape and dtype (so no complex grads on the real
-    # params add_param_group admits); sparse gradients are the one layout it lets through.
-    if grad.is_sparse:
-        raise ValueError("grad: sparse gradients are not supported; use dense gradients")

@@ -1,0 +1,106 @@
+"""How an optimizer groups its params into buckets stepped together (``BaseOptimizer`` inherits it).
+
+A *plan* is, per param group, a list of buckets ``(positions, state dicts, compute dtype)``: the params
+with a gradient that share device, dtype, compute dtype, Kahan and step count, so one ``_update`` call
+(and one fused kernel call) serves them all. Plans are cached while the same params get gradients and
+no state dict was replaced from outside; building one creates missing states, checks loaded ones and
+packs each bucket's states back to back (``bucket_states.py``), which lets the kernels take one span
+per list (``ops/coalesce.py``). Each bucket slice also gets a dict for the coalescing cache.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_optim import ops
+from lightning_optim.ops.coalesce import same_items
+from lightning_optim.optim.bucket_states import check_state, pack_states
+
+__all__ = ["BucketPlans", "check_grad"]
+
+
+class BucketPlans:
+    """The bucket plans of an optimizer; expects ``self.state``, ``self._plans``, ``self._state_for`` and
+    ``self._compute_dtype`` from ``BaseOptimizer``."""
+
+    def _params_with_grad(self, group: dict[str, Any]) -> tuple[list[Tensor], list[Tensor], bool]:
+        """The params that have a gradient, those gradients (``p.grad`` is read once: it is not a cheap
+        attribute) and whether all of both are dense and contiguous (False: not known)."""
+        found = ops.grads_of(group["params"])
+        if found is not None:  # one compiled pass
+            params, grads, contiguous = found
+            if not contiguous:  # a sparse grad is not contiguous: look closer
+                for g in grads:
+                    check_grad(g)
+            return params, grads, contiguous
+        params, grads = [], []
+        for p in group["params"]:
+            g = p.grad
+            if g is not None:
+                if g.is_sparse:  # torch's grad setter checks shape and dtype, not the layout
+                    check_grad(g)
+                params.append(p)
+                grads.append(g)
+        return params, grads, False
+
+    # Optimizers whose math must see one tensor at a time, in parameter order (random draws).
+    per_tensor = False
+
+    def _plan(self, group: dict[str, Any], params: list[Tensor]) -> list[tuple[list[int], list[dict], torch.dtype]]:
+        """Buckets of ``params`` updated together: same device, dtype, compute dtype, Kahan and
+        step count. Cached while the same params get gradients: all members of a bucket then
+        step together, so the buckets stay valid (a per-parameter step drops the cache)."""
+        per_tensor = group.get("foreach") is False or self.per_tensor
+        key = (per_tensor, group.get("fp32_state"), group.get("kahan_sum"))
+        cached = self._plans.get(id(group))
+        # reuse for the same params, unless someone replaced a state dict from outside (opt.state[p] = {...})
+        if cached is not None and cached[0] == key and same_items(cached[1], params, ops.loaded_extension()) and all(
+            states[0] is self.state.get(params[idx[0]]) for idx, states, _ in cached[2]
+        ):
+            return cached[2]
+        # Under torch.compile this one-off (state creation, storage checks, packing) runs eagerly: one
+        # graph break on the first step instead of tracing a zeros_like and a check per param.
+        if torch.compiler.is_compiling():
+            return _build_plan_outside_graph(self, group, params, key, per_tensor)
+        return self._build_plan(group, params, key, per_tensor)
+
+    def _build_plan(self, group: dict[str, Any], params: list[Tensor], key: tuple,
+                    per_tensor: bool) -> list[tuple[list[int], list[dict], torch.dtype]]:
+        states = [self._state_for(group, p) for p in params]
+        if per_tensor:
+            indices = [[i] for i in range(len(params))]
+        else:
+            by_key: dict[tuple, list[int]] = {}
+            for i, (p, s) in enumerate(zip(params, states)):
+                bucket_key = (p.device, p.dtype, self._compute_dtype(group, p), s["step"], "kahan_comp" in s)
+                by_key.setdefault(bucket_key, []).append(i)
+            indices = list(by_key.values())
+        plan = [(idx, [states[i] for i in idx], self._compute_dtype(group, params[idx[0]])) for idx in indices]
+        for idx, bucket_states, dtype in plan:
+            for i, state in zip(idx, bucket_states):
+                check_state(params[i], state, dtype, i)
+        for idx, bucket_states, _ in plan:
+            pack_states([params[i] for i in idx], bucket_states)
+        self._plans[id(group)] = (key, list(params), plan)
+        self.__dict__.setdefault("_run_caches", {}).clear()  # state dicts may be new objects with old ids
+        return plan
+
+    def _run_cache(self, first_state: dict[str, Any]) -> dict[str, Any] | None:
+        """The coalescing cache of the bucket slice starting at ``first_state`` (None under torch.compile:
+        the traced step gets its lists as they are)."""
+        if torch.compiler.is_compiling():
+            return None
+        return self.__dict__.setdefault("_run_caches", {}).setdefault(id(first_state), {})
+
+
+_build_plan_outside_graph = torch.compiler.disable(BucketPlans._build_plan)
+
+
+def check_grad(grad: Tensor) -> None:
+    # torch's grad setter enforces the param's shape and dtype (so no complex grads on the real
+    # params add_param_group admits); sparse gradients are the one layout it lets through.
+    if grad.is_sparse:
+        raise ValueError("grad: sparse gradients are not supported; use dense gradients")
