@@ -11,6 +11,8 @@ Failure handling:
 * a rank that raises -> ``WorkerError`` carrying that rank's traceback text (the other ranks are
   given a short grace period to report their own errors, then killed);
 * ``timeout`` seconds pass (whole run) -> every process is killed and ``TimeoutError`` is raised;
+* a rank that has reported stays (its process group alive) until every rank has reported or the run
+  ends, so a rank done early never takes rank 0's rendezvous store away from the others;
 * a rank that exits without reporting -> ``WorkerError`` unless ``missing_ok=True``, in which case
   its entry in the returned list is ``None`` (for tests that make a rank die on purpose).
 
@@ -82,7 +84,7 @@ def torchrun_results(script, out, *args: str, cwd, nproc: int = 2) -> list:
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(nproc)]
 
 
-def _worker(rank, world_size, port, fn, args, env, pg_timeout, results):
+def _worker(rank, world_size, port, fn, args, env, pg_timeout, results, all_reported):
     if env:
         os.environ.update({str(k): str(v) for k, v in env.items()})
     torch.set_num_threads(1)
@@ -99,11 +101,21 @@ def _worker(rank, world_size, port, fn, args, env, pg_timeout, results):
     except BaseException:  # noqa: BLE001 - everything goes back to the parent
         message = ("error", traceback.format_exc())
     results.put((rank, message))
+    # Stay until every rank has reported: rank 0 hosts the rendezvous store, and a rank done early
+    # (outside a subgroup, say) that left would take the store with it while the others still use it.
+    all_reported.wait(pg_timeout)
     try:
         if dist.is_initialized():
             dist.destroy_process_group()
     except Exception:  # noqa: BLE001 - the result is already reported
         pass
+
+
+def _let_exit(procs, grace: float = 2.0) -> None:
+    """Give ranks released by ``all_reported`` a moment to tear their process group down themselves."""
+    deadline = time.monotonic() + grace
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
 
 
 def _kill(procs) -> None:
@@ -132,12 +144,13 @@ def run_workers(
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     ctx = tmp.get_context("spawn")
     results = ctx.Queue()
+    all_reported = ctx.Event()
     port = free_port()
     pg_timeout = float(timeout if pg_timeout is None else pg_timeout)
     procs = [
         ctx.Process(
             target=_worker,
-            args=(r, world_size, port, fn, args, env, pg_timeout, results),
+            args=(r, world_size, port, fn, args, env, pg_timeout, results, all_reported),
             daemon=True,
         )
         for r in range(world_size)
@@ -191,6 +204,9 @@ def run_workers(
                 errors[rank] = payload
                 error_seen_at = error_seen_at or time.monotonic()
     finally:
+        all_reported.set()
+        if not errors and len(outputs) == world_size:
+            _let_exit(procs)
         _kill(procs)
         results.close()
 
