@@ -1,22 +1,33 @@
 """Build and load the compiled extension (csrc/) with ``torch.utils.cpp_extension.load``.
 
-Built once per machine, torch version and source version into a cache directory
-(``$TORCH_EXTENSIONS_DIR/lightning_optim`` if set, else ``~/.cache/lightning_optim``);
-ninja rebuilds only what changed. Several processes starting together (DDP ranks) wait on
-torch's file lock instead of compiling twice.
+Built once into a cache directory (``$TORCH_EXTENSIONS_DIR/lightning_optim`` if set, else
+``~/.cache/lightning_optim``) named by torch, Python and a short hash of what the module depends on
+(every source and header under csrc/ by content, the flags, the compiler, CUDA or not): two checkouts
+of one commit share a build, two versions of the package keep one each. ninja rebuilds only what changed.
+
+Builds in one directory take turns on an OS file lock (``build.lock``, see ``build_lock``): several
+processes starting together (DDP ranks) build once, a killed build cannot leave the lock held, and the
+lock file torch's ``load()`` itself leaves behind after a kill (which made every later load wait
+forever) is cleared. The wait for another build is bounded (``LIGHTNING_OPTIM_BUILD_WAIT_S``).
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import json
 import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from types import ModuleType
 
 import torch
+
+from lightning_optim.ops._build_lock import BuildError, build_lock  # BuildError: also raised from here
 
 # The source tree: csrc/ beside the package in a checkout, or shipped inside it in a wheel.
 _PKG = Path(__file__).resolve().parent
@@ -25,13 +36,12 @@ _CANDIDATES = (_PKG / "csrc", _PKG.parent.parent / "csrc")
 CPU_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-ffp-contract=off"]
 NVCC_FLAGS = ["-O3", "--expt-relaxed-constexpr", "-DWITH_CUDA"]
 BUILD_SECONDS = {"cpu": 60, "cuda": 240}  # rough, on 2 cores (a clean CPU build took 65 s under load); printed
+# The kernel sources and headers (csrc/README.md and other files do not change the module).
+KERNEL_SUFFIXES = frozenset({".c", ".cc", ".cpp", ".cu", ".cuh", ".h", ".hpp"})
 
 _module: ModuleType | None = None
 _error: str | None = None
-
-
-class BuildError(RuntimeError):
-    """The extension could not be built or loaded; the message says why."""
+_building = threading.RLock()  # a second thread waits for the first's result instead of loading twice
 
 
 def csrc_dir() -> Path:
@@ -41,10 +51,49 @@ def csrc_dir() -> Path:
     raise BuildError(f"the kernel sources (csrc/bindings.cpp) are not found in {[str(p) for p in _CANDIDATES]}")
 
 
-def build_root() -> Path:
+def build_root(cuda: bool | None = None) -> Path:
+    """The cache directory of this torch, Python, kernel source and build configuration
+    (``cuda``: with the CUDA kernels; default: ``want_cuda()``)."""
     base = os.environ.get("TORCH_EXTENSIONS_DIR")
     root = Path(base) / "lightning_optim" if base else Path.home() / ".cache" / "lightning_optim"
-    return root / f"torch-{torch.__version__.split('+')[0]}-py{sys.version_info.major}{sys.version_info.minor}"
+    cuda = want_cuda() if cuda is None else cuda
+    version = f"torch-{torch.__version__.split('+')[0]}-py{sys.version_info.major}{sys.version_info.minor}"
+    return root / f"{version}-{build_key(cuda)}"
+
+
+def build_key(cuda: bool, root: Path | None = None) -> str:
+    """12 hex digits of a hash of everything the compiled module depends on: the kernel sources
+    (``root``, default ``csrc_dir()``), CPU_FLAGS, NVCC_FLAGS, the compiler, CUDA or not, torch and Python."""
+    compiler = os.environ.get("CXX", "c++")
+    found = shutil.which(compiler)
+    parts = {
+        "sources": _sources_digest(root or csrc_dir()),
+        "cpu_flags": CPU_FLAGS,
+        "nvcc_flags": NVCC_FLAGS,
+        "compiler": os.path.realpath(found) if found else compiler,  # resolves c++ -> g++-12
+        "cuda": cuda,
+        "torch": torch.__version__,  # with its local tag (+cpu, +cu124)
+        "python": sys.implementation.cache_tag,
+    }
+    if cuda:  # nvcc and the architectures compiled for
+        from torch.utils.cpp_extension import CUDA_HOME
+
+        parts.update(cuda_home=CUDA_HOME, arch_list=os.environ.get("TORCH_CUDA_ARCH_LIST", ""))
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:12]
+
+
+@functools.lru_cache(maxsize=None)
+def _sources_digest(root: Path) -> str:
+    """sha256 of every kernel source and header under ``root``: relative path and content, not mtime or
+    place, so two checkouts of one commit agree. Read once per process (``build(force=True)`` rereads)."""
+    files = sorted((p.relative_to(root).as_posix(), p) for p in root.rglob("*")
+                   if p.suffix in KERNEL_SUFFIXES and p.is_file())
+    digest = hashlib.sha256()
+    for relative, path in files:
+        data = path.read_bytes()
+        digest.update(f"{relative}\0{len(data)}\0".encode())  # lengths keep file boundaries unambiguous
+        digest.update(data)
+    return digest.hexdigest()
 
 
 def want_cuda() -> bool:
@@ -89,18 +138,23 @@ def build(verbose: bool = False, force: bool = False) -> ModuleType:
     global _module, _error
     if _module is not None and not force:
         return _module
-    if _error is not None and not force:
-        raise BuildError(_error)
-    try:
-        _module = _build(verbose)
-        _error = None
-        return _module
-    except BuildError as exc:
-        _error = str(exc)
-        raise
-    except Exception as exc:  # compiler errors, linker errors, import errors
-        _error = _short_reason(exc)
-        raise BuildError(_error) from exc
+    with _building:
+        if _module is not None and not force:
+            return _module
+        if _error is not None and not force:
+            raise BuildError(_error)
+        if force:
+            _sources_digest.cache_clear()
+        try:
+            _module = _build(verbose)
+            _error = None
+            return _module
+        except BuildError as exc:
+            _error = str(exc)
+            raise
+        except Exception as exc:  # compiler errors, linker errors, import errors
+            _error = _short_reason(exc)
+            raise BuildError(_error) from exc
 
 
 def _build(verbose: bool) -> ModuleType:
@@ -112,25 +166,25 @@ def _build(verbose: bool) -> ModuleType:
     cuda = want_cuda()
     files = sources(cuda)
     name = "lightning_optim_kernels" + ("_cuda" if cuda else "")
-    build_dir = build_root() / name
-    build_dir.mkdir(parents=True, exist_ok=True)
-    stale = _stale(build_dir, name, files)
-    started = time.perf_counter()
-    if stale:
-        what = "CPU and CUDA" if cuda else "CPU"
-        seconds = BUILD_SECONDS["cuda" if cuda else "cpu"]
-        print(f"lightning-optim: compiling {what} kernels (one time, ~{seconds} s)...", file=sys.stderr, flush=True)
-    module = load(
-        name=name,
-        sources=[str(f) for f in files],
-        extra_cflags=CPU_FLAGS + (["-DWITH_CUDA"] if cuda else []),
-        extra_cuda_cflags=NVCC_FLAGS,
-        extra_ldflags=["-fopenmp"],
-        extra_include_paths=[str(csrc_dir())],
-        build_directory=str(build_dir),
-        with_cuda=cuda,
-        verbose=verbose,
-    )
+    build_dir = build_root(cuda) / name
+    with build_lock(build_dir):  # after waiting, another process may have built it: check staleness inside
+        stale = _stale(build_dir, name, files)
+        started = time.perf_counter()
+        if stale:
+            what = "CPU and CUDA" if cuda else "CPU"
+            seconds = BUILD_SECONDS["cuda" if cuda else "cpu"]
+            print(f"lightning-optim: compiling {what} kernels (one time, ~{seconds} s)...", file=sys.stderr, flush=True)
+        module = load(
+            name=name,
+            sources=[str(f) for f in files],
+            extra_cflags=CPU_FLAGS + (["-DWITH_CUDA"] if cuda else []),
+            extra_cuda_cflags=NVCC_FLAGS,
+            extra_ldflags=["-fopenmp"],
+            extra_include_paths=[str(csrc_dir())],
+            build_directory=str(build_dir),
+            with_cuda=cuda,
+            verbose=verbose,
+        )
     if stale:
         took = time.perf_counter() - started
         print(f"lightning-optim: kernels ready in {took:.0f} s ({build_dir})", file=sys.stderr, flush=True)
