@@ -7,9 +7,40 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
+from lightning_optim.precision._checks import describe
+
 # Accelerate's distributed types under which the model is a plain module or DDP (the adapters' ground)
 _DDP_TYPES = {"NO", "MULTI_CPU", "MULTI_GPU", "MULTI_XPU", "MULTI_MLU", "MULTI_SDAA", "MULTI_MUSA", "MULTI_NPU",
               "MULTI_HPU"}
+
+
+def check_accelerator(accelerator: Any) -> Any:
+    """An ``accelerate.Accelerator`` (the adapters replace its methods and hooks: a stand-in would fail
+    half-way, after some were replaced)."""
+    from accelerate import Accelerator
+
+    if not isinstance(accelerator, Accelerator):
+        raise TypeError(f"accelerator: expected an accelerate.Accelerator (the one that prepared the model), got "
+                        f"{describe(accelerator)}")
+    return accelerator
+
+
+def check_model(model: Any) -> nn.Module:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model: expected the torch.nn.Module accelerator.prepare returned, got {describe(model)}")
+    return model
+
+
+def check_owned_params(optimizer: Any, model: nn.Module, extra: Any = ()) -> None:
+    """Every trainable param ``optimizer`` steps is a param of ``model`` (or one of ``extra``: its masters).
+    An optimizer over another model's params trains without an error and this model never moves."""
+    owned = {id(p) for p in unwrap_model(model).parameters()} | {id(t) for t in extra}
+    foreign = [f"group {gi} param {i} (shape {tuple(p.shape)})" for gi, g in enumerate(optimizer.param_groups)
+               for i, p in enumerate(g["params"]) if p.requires_grad and id(p) not in owned]
+    if foreign:
+        raise ValueError(f"optimizer: {len(foreign)} of its params are not params of model ({', '.join(foreign[:3])}"
+                         f"{', ...' if len(foreign) > 3 else ''}); build the optimizer over model.parameters() of the "
+                         "model you pass, and pass both as accelerator.prepare returned them")
 
 
 def unwrap_optimizer(optimizer: Any) -> Any:

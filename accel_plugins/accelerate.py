@@ -45,7 +45,10 @@ from torch import nn
 
 from accel_plugins._accelerator import (
     AcceleratorMethods,
+    check_accelerator,
     check_ddp_ground,
+    check_model,
+    check_owned_params,
     refuse_grad_scaler,
     unwrap_model,
     unwrap_optimizer,
@@ -56,6 +59,15 @@ from lightning_optim.comm.dense import agreed_norm
 from lightning_optim.lightning.convert import to_onebit
 from lightning_optim.catalogue import OPTIMIZERS
 from lightning_optim.onebit import OnebitOptimizer
+from lightning_optim.precision._checks import (
+    check_count,
+    check_keys,
+    check_number,
+    check_optimizer,
+    check_optimizer_state,
+    check_tensor_list,
+    describe,
+)
 
 __all__ = ["ONEBIT_OPTIMIZERS", "OnebitHandle", "enable_onebit", "load_rank_state", "save_rank_state",
            "to_onebit_optimizer"]
@@ -67,6 +79,9 @@ def to_onebit_optimizer(optimizer: torch.optim.Optimizer, name: str = "onebit_ad
     """The 1-bit variant of ``optimizer`` (torch/our Adam, AdamW -> ``onebit_adam``/``zero_one_adam``;
     our Lamb/FusedLamb -> ``onebit_lamb``), same param groups and hyper-parameters; ``knobs`` are
     the 1-bit arguments (``freeze_step``, ...). Call it before ``accelerator.prepare``."""
+    check_optimizer("optimizer", optimizer)
+    if not isinstance(name, str):
+        raise TypeError(f"name: must be one of {sorted(ONEBIT_OPTIMIZERS)}, got {describe(name)}")
     if name not in ONEBIT_OPTIMIZERS:
         raise ValueError(f"name: must be one of {sorted(ONEBIT_OPTIMIZERS)}, got {name!r}")
     return to_onebit(optimizer, ONEBIT_OPTIMIZERS[name], knobs, average_grads=False)
@@ -89,6 +104,15 @@ class OnebitHandle:
     _methods: AcceleratorMethods | None = None
     _previous_clip: Any = None
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.optimizer, OnebitOptimizer):
+            raise TypeError(f"optimizer: expected a 1-bit optimizer, got {describe(self.optimizer)}")
+        check_model(self.model)
+        if self.switch is not None and not isinstance(self.switch, SwitchableAllreduceState):
+            raise TypeError(f"switch: expected None or a SwitchableAllreduceState, got {describe(self.switch)}")
+        if self.accelerator is not None:
+            check_accelerator(self.accelerator)
+
     def close(self) -> None:
         """Remove the forward and checkpoint hooks (DDP keeps its comm hook: torch cannot unregister it).
 
@@ -107,7 +131,7 @@ class OnebitHandle:
     def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """``accelerator.clip_grad_norm_``: Accelerate's in warmup; a rank-agreed norm in the compression
         stage (see the module doc). Returns the norm the clip used."""
-        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        params = _clip_arguments(parameters, max_norm, norm_type)
         previous = self._previous_clip
         if not self.optimizer.averages_local_grads or world()[0] == 1:
             return previous(params, max_norm, norm_type)
@@ -142,6 +166,10 @@ class OnebitHandle:
         return {"format": 1, "world_size": world()[0]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        check_keys("state", state, {"format", "world_size"})
+        if state["format"] != 1:
+            raise ValueError(f"state['format']: this version reads format 1, got {state['format']!r}")
+        check_count("state['world_size']", state["world_size"], minimum=1)  # another size: the buffers reset
         directory, self._load_dir = self._load_dir, None
         if directory is not None:
             load_rank_state(self.optimizer, self.model, directory)
@@ -150,6 +178,7 @@ class OnebitHandle:
 def save_rank_state(optimizer: OnebitOptimizer, model: nn.Module, directory: str) -> None:
     """This rank's optimizer state (and its params between ZeroOneAdam's synchronisations) into
     ``directory/onebit_rank<r>.pt``: every rank calls it (trainers save the optimizer on rank 0 only)."""
+    _check_rank_arguments(optimizer, model, directory)
     size, rank = world()
     os.makedirs(directory, exist_ok=True)
     local = not optimizer.params_synchronized
@@ -162,14 +191,18 @@ def save_rank_state(optimizer: OnebitOptimizer, model: nn.Module, directory: str
 
 def load_rank_state(optimizer: OnebitOptimizer, model: nn.Module, directory: str) -> bool:
     """After the trainer loaded rank 0's optimizer state: this rank's own, when its file is there and was
-    written by this rank of this world size (else the optimizer's own rules reset the error buffers)."""
+    written by this rank of this world size (else the optimizer's own rules reset the error buffers).
+    The whole file is checked before anything loads."""
+    _check_rank_arguments(optimizer, model, directory)
     size, rank = world()
     path = rank_state_path(directory, rank)
     if not os.path.exists(path):
         return False
     payload = torch.load(path, map_location="cpu", weights_only=False)
-    if payload.get("world_size") != size or payload.get("rank") != rank:
+    check_keys(path, payload, {"world_size", "rank", "optimizer", "model", "stepped"})
+    if payload["world_size"] != size or payload["rank"] != rank:
         return False
+    _check_rank_payload(payload, optimizer, model, path)
     optimizer.load_state_dict(payload["optimizer"])
     if payload.get("model") is not None:
         unwrap_model(model).load_state_dict(payload["model"])
@@ -181,6 +214,10 @@ def load_rank_state(optimizer: OnebitOptimizer, model: nn.Module, directory: str
 
 def enable_onebit(accelerator: Any, model: nn.Module, optimizer: Any) -> OnebitHandle:
     """Turn on 1-bit communication for a prepared model and 1-bit optimizer (see the module doc)."""
+    from accel_plugins.master_weights import MasterWeightsHandle
+
+    check_accelerator(accelerator)
+    check_model(model)
     onebit = unwrap_optimizer(optimizer)
     if not isinstance(onebit, OnebitOptimizer):
         raise TypeError(
@@ -189,6 +226,10 @@ def enable_onebit(accelerator: Any, model: nn.Module, optimizer: Any) -> OnebitH
     if onebit.average_grads:
         raise ValueError("optimizer: built with average_grads=True (it averages grads itself, in fp32); with DDP "
                          "build it with average_grads=False, as to_onebit_optimizer does")
+    if isinstance(getattr(vars(accelerator).get("clip_grad_norm_"), "__self__", None), OnebitHandle):
+        raise RuntimeError("accelerator: 1-bit communication is already enabled on it")
+    scaler = getattr(accelerator, "scaler", None)
+    check_owned_params(onebit, model, scaler.masters.masters if isinstance(scaler, MasterWeightsHandle) else ())
     refuse_grad_scaler("enable_onebit", accelerator, "decides per rank whether to skip a step; the compression "
                        "stage needs every rank to step together")
     check_ddp_ground("enable_onebit", accelerator, model)
@@ -215,3 +256,46 @@ def enable_onebit(accelerator: Any, model: nn.Module, optimizer: Any) -> OnebitH
     handle._handles.append(accelerator.register_load_state_pre_hook(handle._load_hook))
     accelerator.register_for_checkpointing(handle)
     return handle
+
+
+def _clip_arguments(parameters: Any, max_norm: Any, norm_type: Any) -> list[torch.Tensor]:
+    """``clip_grad_norm_``'s arguments checked (torch checks none: max_norm 0 zeros the gradients, a negative
+    one flips them); inf max_norm only measures the norm, as in torch."""
+    params = check_tensor_list("parameters", [parameters] if isinstance(parameters, torch.Tensor) else parameters)
+    check_number("max_norm", max_norm, above=0.0, allow_inf=True)
+    check_number("norm_type", norm_type, above=0.0, allow_inf=True)
+    return params
+
+
+def _check_rank_arguments(optimizer: Any, model: Any, directory: Any) -> None:
+    if not isinstance(optimizer, OnebitOptimizer):
+        raise TypeError(f"optimizer: expected a 1-bit optimizer (unwrapped), got {describe(optimizer)}")
+    check_model(model)
+    if not isinstance(directory, (str, os.PathLike)):
+        raise TypeError(f"directory: expected a path (str or os.PathLike), got {describe(directory)}")
+
+
+def _check_same_tensors(where: str, saved: Any, live: dict[str, torch.Tensor]) -> None:
+    """``saved`` holds exactly ``live``'s keys, each a tensor of the same shape and dtype."""
+    check_keys(where, saved, set(live))
+    for key, tensor in live.items():
+        value = saved[key]
+        if not isinstance(value, torch.Tensor) or value.dtype != tensor.dtype or value.shape != tensor.shape:
+            got = f"{value.dtype} {tuple(value.shape)}" if isinstance(value, torch.Tensor) else describe(value)
+            raise ValueError(f"{where}[{key!r}]: expected {tensor.dtype} {tuple(tensor.shape)}, got {got}")
+
+
+def _check_rank_payload(payload: dict[str, Any], optimizer: OnebitOptimizer, model: nn.Module, path: str) -> None:
+    """Optimizer state, model state and stepped params of a rank file checked before any of them loads
+    (torch's module load copies what matches and then refuses the rest)."""
+    check_optimizer_state(optimizer, payload["optimizer"], f"{path}['optimizer']")
+    if payload["model"] is not None:
+        _check_same_tensors(f"{path}['model']", payload["model"], unwrap_model(model).state_dict())
+    if payload["stepped"] is not None:
+        stepped = [p for g in optimizer.param_groups for p in g["params"]]
+        saved = payload["stepped"]
+        if not isinstance(saved, (list, tuple)):
+            raise TypeError(f"{path}['stepped']: expected a list of {len(stepped)} tensors, got {describe(saved)}")
+        if len(saved) != len(stepped):
+            raise ValueError(f"{path}['stepped']: expected {len(stepped)} tensors, got {len(saved)}")
+        _check_same_tensors(f"{path}['stepped']", dict(enumerate(saved)), dict(enumerate(stepped)))

@@ -35,12 +35,16 @@ from torch import Tensor, nn
 
 from accel_plugins._accelerator import (
     AcceleratorMethods,
+    check_accelerator,
     check_ddp_ground,
+    check_model,
+    check_owned_params,
     refuse_grad_scaler,
     unwrap_model,
     unwrap_optimizer,
 )
 from lightning_optim.precision import DynamicLossScaler, MasterWeights
+from lightning_optim.precision._checks import check_count, check_keys, check_number, check_tensor_list, describe
 from lightning_optim.precision.master_weights import LOW_PRECISION
 
 __all__ = ["MasterWeightsHandle", "enable_master_weights"]
@@ -55,6 +59,15 @@ class MasterWeightsHandle:
 
     def __init__(self, accelerator: Any, optimizer: Any, masters: MasterWeights,
                  loss_scaler: DynamicLossScaler | None) -> None:
+        check_accelerator(accelerator)
+        if not isinstance(unwrap_optimizer(optimizer), torch.optim.Optimizer):
+            raise TypeError(f"optimizer: expected a torch optimizer (as accelerator.prepare returns it), got "
+                            f"{describe(optimizer)}")
+        if not isinstance(masters, MasterWeights):
+            raise TypeError(f"masters: expected a MasterWeights, got {describe(masters)}")
+        if loss_scaler is not None and not isinstance(loss_scaler, DynamicLossScaler):
+            raise TypeError(f"loss_scaler: expected None or a DynamicLossScaler, got {describe(loss_scaler)}")
+        masters.check_steps_masters(unwrap_optimizer(optimizer))  # swapped in: the model moves
         self.accelerator = accelerator
         self.optimizer = optimizer  # as prepared (AcceleratedOptimizer) or plain
         self.masters = masters
@@ -66,6 +79,9 @@ class MasterWeightsHandle:
 
     # ------------------------------------------------------------------ Accelerate's scaler slot
     def scale(self, loss: Tensor) -> Tensor:
+        if not isinstance(loss, Tensor) or not loss.is_floating_point():
+            raise TypeError(f"loss: expected a floating-point Tensor, got "
+                            f"{loss.dtype if isinstance(loss, Tensor) else describe(loss)}")
         return loss if self.loss_scaler is None else self.loss_scaler.scale(loss)
 
     def get_scale(self) -> float:
@@ -81,14 +97,20 @@ class MasterWeightsHandle:
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Masters, scale and counter, all checked before any of them changes."""
+        check_keys("state", state, {"masters"}, {"skipped_steps", "loss_scaler"})
         saved_scaling, scaling = "loss_scaler" in state, self.loss_scaler is not None
         if saved_scaling != scaling:
             raise ValueError(f"state: loss scaling is {'on' if saved_scaling else 'off'} in the checkpoint and "
                              f"{'on' if scaling else 'off'} in this run (fp16 vs bf16 params?)")
-        self.masters.load_state_dict(state["masters"])
+        self.masters.check_state_dict(state["masters"], where="state['masters']")
+        if self.loss_scaler is not None:
+            self.loss_scaler.check_state_dict(state["loss_scaler"], where="state['loss_scaler']")
+        skipped = check_count("state['skipped_steps']", state.get("skipped_steps", 0))
+        self.masters.load_state_dict(state["masters"])  # checked above: these cannot fail half-way
         if self.loss_scaler is not None:
             self.loss_scaler.load_state_dict(state["loss_scaler"])
-        self.skipped_steps = int(state.get("skipped_steps", 0))
+        self.skipped_steps = skipped
 
     # ------------------------------------------------------------------ the step
     def _unscale(self) -> None:
@@ -101,24 +123,26 @@ class MasterWeightsHandle:
             raise ValueError("closure: not supported with master weights (the grads are unscaled before the step)")
         if not self.accelerator.sync_gradients:
             return  # accumulating: the 16-bit grads keep summing
+        inner = unwrap_optimizer(self.optimizer)
+        self.masters.check_steps_masters(inner)  # before the grads move: still the masters after a reload?
         self._unscale()
         found, self._found = self._found, None
-        overflow = False
-        if self.loss_scaler is not None:
-            overflow = self.loss_scaler.agree(found)  # one 4-byte all-reduce: every rank skips the same steps
-            self.loss_scaler.update(overflow)
-        inner = unwrap_optimizer(self.optimizer)
+        # one 4-byte all-reduce: every rank skips the same steps
+        overflow = self.loss_scaler is not None and self.loss_scaler.agree(found)
         if overflow:
+            self.loss_scaler.update(True)
             self.skipped_steps += 1
             self.masters.zero_master_grads()
         else:
             self._inner_step()
             self.masters.after_step(inner)
+            if self.loss_scaler is not None:
+                self.loss_scaler.update(False)  # once the step went through
         if hasattr(self.optimizer, "_is_overflow"):
             self.optimizer._is_overflow = overflow  # AcceleratedOptimizer.step_was_skipped; the scheduler reads it
 
     def _masters_of(self, parameters: Any) -> list[Tensor]:
-        params = [parameters] if isinstance(parameters, Tensor) else list(parameters)
+        params = check_tensor_list("parameters", [parameters] if isinstance(parameters, Tensor) else parameters)
         self._unscale()
         masters = []
         for p in params:
@@ -129,10 +153,15 @@ class MasterWeightsHandle:
         return [m for m in masters if m.grad is not None]
 
     def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2) -> Tensor:
-        """Clip the fp32 master grads of ``parameters`` (unscaled first); the total norm, as torch returns it."""
+        """Clip the fp32 master grads of ``parameters`` (unscaled first); the total norm, as torch returns it.
+        ``max_norm`` in (0, inf] (inf: only measure), ``norm_type`` in (0, inf]: torch checks neither."""
+        check_number("max_norm", max_norm, above=0.0, allow_inf=True)
+        check_number("norm_type", norm_type, above=0.0, allow_inf=True)
         return nn.utils.clip_grad_norm_(self._masters_of(parameters), max_norm, norm_type=norm_type)
 
     def clip_grad_value_(self, parameters: Any, clip_value: float) -> None:
+        """Clip the fp32 master grads of ``parameters`` to [-clip_value, clip_value], clip_value > 0."""
+        check_number("clip_value", clip_value, above=0.0)
         nn.utils.clip_grad_value_(self._masters_of(parameters), clip_value)
 
     # ------------------------------------------------------------------ undo
@@ -156,8 +185,11 @@ def enable_master_weights(accelerator: Any, model: nn.Module, optimizer: Any,
             a :class:`~lightning_optim.precision.DynamicLossScaler` to choose its settings; ``None``: no scaling.
     """
     caller = "enable_master_weights"
-    if not (loss_scaler is None or loss_scaler == "auto" or isinstance(loss_scaler, DynamicLossScaler)):
-        raise TypeError(f"loss_scaler: must be 'auto', None or a DynamicLossScaler, got {loss_scaler!r}")
+    check_accelerator(accelerator)
+    check_model(model)
+    auto = isinstance(loss_scaler, str) and loss_scaler == "auto"
+    if not (auto or loss_scaler is None or isinstance(loss_scaler, DynamicLossScaler)):
+        raise TypeError(f"loss_scaler: must be 'auto', None or a DynamicLossScaler, got {describe(loss_scaler)}")
     inner = unwrap_optimizer(optimizer)
     if not isinstance(inner, torch.optim.Optimizer):
         raise TypeError(f"optimizer: expected a torch optimizer (as accelerator.prepare returns it), got "
@@ -174,15 +206,16 @@ def enable_master_weights(accelerator: Any, model: nn.Module, optimizer: Any,
                            "enable_master_weights right after accelerator.prepare, before them")
     refuse_grad_scaler(caller, accelerator, "would scale the loss a second time and skip steps per rank")
     check_ddp_ground(caller, accelerator, model)
+    check_owned_params(inner, model)
     params = [p for p in unwrap_model(model).parameters() if p.requires_grad]
     dtypes = {p.dtype for p in params}
     if not dtypes & set(LOW_PRECISION):
         raise ValueError(f"model: no fp16/bf16 parameters (dtypes {sorted(map(str, dtypes))}); convert it with "
                          "model.half() or model.to(torch.bfloat16) before accelerator.prepare")
-    if loss_scaler == "auto":
+    if auto:
         loss_scaler = DynamicLossScaler() if torch.float16 in dtypes else None
     masters = MasterWeights(params)
-    masters.swap_into(inner)
+    masters.swap_into(inner)  # the first change: everything above only checked
     handle = MasterWeightsHandle(accelerator, optimizer, masters, loss_scaler)
     accelerator.scaler = handle
     optimizer.step = handle.optimizer_step  # on this instance only; close() removes it

@@ -26,7 +26,15 @@ from typing import Any, NoReturn
 
 from torch import nn
 
-from accel_plugins._accelerator import AcceleratorMethods, check_ddp_ground, refuse_grad_scaler, unwrap_optimizer
+from accel_plugins._accelerator import (
+    AcceleratorMethods,
+    check_accelerator,
+    check_ddp_ground,
+    check_model,
+    check_owned_params,
+    refuse_grad_scaler,
+    unwrap_optimizer,
+)
 from lightning_optim.optim.base import BaseOptimizer
 from lightning_optim.optim.release import prepare_for_gradient_release, remove_gradient_release
 
@@ -37,6 +45,11 @@ class GradientReleaseHandle:
     """What :func:`enable_gradient_release` set up; :meth:`close` undoes it."""
 
     def __init__(self, accelerator: Any, model: nn.Module, optimizer: BaseOptimizer) -> None:
+        check_accelerator(accelerator)
+        check_model(model)
+        if not isinstance(optimizer, BaseOptimizer):
+            raise TypeError(f"optimizer: expected the unwrapped lightning_optim optimizer, got "
+                            f"{type(optimizer).__name__}")
         self.accelerator = accelerator
         self.model = model
         self.optimizer = optimizer
@@ -73,6 +86,8 @@ def enable_gradient_release(accelerator: Any, model: nn.Module, optimizer: Any) 
     caller = "enable_gradient_release"
     from accel_plugins.master_weights import MasterWeightsHandle
 
+    check_accelerator(accelerator)
+    check_model(model)
     inner = unwrap_optimizer(optimizer)
     if not isinstance(inner, BaseOptimizer):
         raise TypeError(f"optimizer: gradient release needs a lightning_optim optimizer (e.g. lightning_optim.AdamW), "
@@ -83,6 +98,7 @@ def enable_gradient_release(accelerator: Any, model: nn.Module, optimizer: Any) 
                          "release)")
     refuse_grad_scaler(caller, accelerator, "unscales and checks every gradient before any step")
     size = check_ddp_ground(caller, accelerator, model)
+    check_owned_params(inner, model)
     handle = GradientReleaseHandle(accelerator, model, inner)
     try:
         prepare_for_gradient_release(model, inner)  # validates the optimizer and the model before any change

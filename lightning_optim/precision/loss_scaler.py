@@ -26,7 +26,14 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_optim.comm.timeouts import check_process_group, collective
-from lightning_optim.optim.validation import check_int, check_positive, plain_numbers
+from lightning_optim.precision._checks import (
+    check_bool,
+    check_count,
+    check_keys,
+    check_label,
+    check_number,
+    check_tensor_list,
+)
 
 __all__ = ["DynamicLossScaler", "LossScaleUnderflow", "found_non_finite"]
 
@@ -41,6 +48,9 @@ def found_non_finite(grads: Iterable[Tensor], inv_scale: float | None = None) ->
     One fused pass per device (torch's ``_amp_foreach_non_finite_check_and_unscale_``); returns a
     float32 flag on the first grad's device (CPU when there are none): 1.0 if any value is inf/NaN.
     """
+    grads = check_tensor_list("grads", grads)
+    if inv_scale is not None:
+        inv_scale = check_number("inv_scale", inv_scale, above=0.0)
     by_device: dict[torch.device, list[Tensor]] = {}
     for g in grads:
         by_device.setdefault(g.device, []).append(g)
@@ -71,7 +81,7 @@ class DynamicLossScaler:
         scale_factor: growth factor ``f``, > 1.
         scale_window: clean steps ``w`` before growing, >= 1.
         min_scale: smallest allowed scale, > 0; backing off below it raises.
-        max_scale: largest scale, >= init_scale (None: no cap).
+        max_scale: largest scale, >= init_scale (None or inf: no cap).
         hysteresis: overflowing steps ``h`` in a row before backing off, >= 1 (DeepSpeed's
             ``delayed_shift``); every overflowing step is skipped regardless.
         backoff_factor: ``b``, in (0, 1) (None: ``1 / scale_factor``).
@@ -90,31 +100,26 @@ class DynamicLossScaler:
         backoff_factor: float | None = None,
         process_group: Any = None,
     ) -> None:
-        init_scale, scale_factor, min_scale, max_scale, backoff_factor = plain_numbers(
-            (init_scale, scale_factor, min_scale, max_scale, backoff_factor))
-        check_positive("init_scale", init_scale)
-        if not isinstance(scale_factor, (int, float)) or isinstance(scale_factor, bool) or not scale_factor > 1:
-            raise ValueError(f"scale_factor: must be a number > 1, got {scale_factor!r}")
-        check_int("scale_window", scale_window, minimum=1)
-        check_positive("min_scale", min_scale)
-        if max_scale is not None:
-            check_positive("max_scale", max_scale)
-            if max_scale < init_scale:
-                raise ValueError(f"max_scale: must be >= init_scale ({init_scale}), got {max_scale}")
+        init_scale = check_number("init_scale", init_scale, above=0.0)
+        scale_factor = check_number("scale_factor", scale_factor, above=1.0)
+        scale_window = check_count("scale_window", scale_window, minimum=1)
+        min_scale = check_number("min_scale", min_scale, above=0.0)
+        max_scale = math.inf if max_scale is None else check_number("max_scale", max_scale, above=0.0, allow_inf=True)
+        if max_scale < init_scale:
+            raise ValueError(f"max_scale: must be >= init_scale ({init_scale:g}), got {max_scale:g}")
         if init_scale < min_scale:
-            raise ValueError(f"init_scale: must be >= min_scale ({min_scale}), got {init_scale}")
-        check_int("hysteresis", hysteresis, minimum=1)
-        if backoff_factor is not None and not (isinstance(backoff_factor, (int, float))
-                                               and not isinstance(backoff_factor, bool) and 0 < backoff_factor < 1):
-            raise ValueError(f"backoff_factor: must be a number in (0, 1), got {backoff_factor!r}")
+            raise ValueError(f"init_scale: must be >= min_scale ({min_scale:g}), got {init_scale:g}")
+        hysteresis = check_count("hysteresis", hysteresis, minimum=1)
+        if backoff_factor is not None:
+            backoff_factor = check_number("backoff_factor", backoff_factor, above=0.0, below=1.0)
         self.process_group = check_process_group("process_group", process_group)
-        self.scale_factor = float(scale_factor)
-        self.backoff_factor = 1.0 / self.scale_factor if backoff_factor is None else float(backoff_factor)
-        self.scale_window = int(scale_window)
-        self.min_scale = float(min_scale)
-        self.max_scale = math.inf if max_scale is None else float(max_scale)
-        self.hysteresis = int(hysteresis)
-        self.loss_scale = float(init_scale)
+        self.scale_factor = scale_factor
+        self.backoff_factor = 1.0 / scale_factor if backoff_factor is None else backoff_factor
+        self.scale_window = scale_window
+        self.min_scale = min_scale
+        self.max_scale = max_scale
+        self.hysteresis = hysteresis
+        self.loss_scale = init_scale
         self._clean_steps = 0  # since the last scale change or overflow
         self._overflows_left = self.hysteresis  # overflowing steps tolerated before backing off
         self.skipped_steps = 0
@@ -122,6 +127,7 @@ class DynamicLossScaler:
     # ------------------------------------------------------------------ the three calls of a step
     def scale(self, loss: Tensor) -> Tensor:
         """``loss * S`` (backward on it gives scaled gradients)."""
+        _check_loss(loss)
         return loss * self.loss_scale
 
     def unscale_and_check(self, grads: Iterable[Tensor]) -> bool:
@@ -130,8 +136,13 @@ class DynamicLossScaler:
 
     def agree(self, found: Tensor | bool) -> bool:
         """The overflow flag, all-reduced (MAX) over the process group when one is up."""
-        flag = found if isinstance(found, Tensor) else torch.tensor([float(found)])
-        flag = flag.detach().float().reshape(1).clone()
+        if isinstance(found, Tensor):
+            if found.numel() != 1 or found.is_complex():
+                raise ValueError(f"found: must be a one-element real tensor (a flag), got {found.dtype} of shape "
+                                 f"{tuple(found.shape)}")
+            flag = found.detach().float().reshape(1).clone()
+        else:
+            flag = torch.tensor([float(check_bool("found", found))])
         if dist.is_available() and dist.is_initialized() and dist.get_world_size(self.process_group) > 1:
             if dist.get_backend(self.process_group) == "gloo" and flag.device.type != "cpu":
                 flag = flag.cpu()
@@ -144,7 +155,7 @@ class DynamicLossScaler:
 
         Raises :class:`LossScaleUnderflow` (nothing changed) when backing off would go below ``min_scale``.
         """
-        if overflow:
+        if check_bool("overflow", overflow):
             self.skipped_steps += 1
             self._clean_steps = 0
             if self._overflows_left > 1:
@@ -170,14 +181,34 @@ class DynamicLossScaler:
         return {"loss_scale": self.loss_scale, "clean_steps": self._clean_steps,
                 "overflows_left": self._overflows_left, "skipped_steps": self.skipped_steps}
 
+    def check_state_dict(self, state: Any, where: str = "state") -> dict[str, Any]:
+        """``state`` checked for this scaler (what :meth:`load_state_dict` would load); changes nothing.
+
+        Keys: ``loss_scale`` in [min_scale, max_scale], ``clean_steps`` an int >= 0, ``overflows_left``
+        an int in [1, hysteresis], optional ``skipped_steps`` an int >= 0 (numpy scalars count).
+        """
+        check_label("where", where)
+        check_keys(where, state, {"loss_scale", "clean_steps", "overflows_left"}, {"skipped_steps"})
+        scale = check_number(f"{where}['loss_scale']", state["loss_scale"], above=0.0)
+        if not self.min_scale <= scale <= self.max_scale:
+            raise ValueError(f"{where}['loss_scale']: must be in [min_scale, max_scale] = [{self.min_scale:g}, "
+                             f"{self.max_scale:g}] of this scaler, got {scale:g}")
+        return {"loss_scale": scale,
+                "clean_steps": check_count(f"{where}['clean_steps']", state["clean_steps"]),
+                "overflows_left": check_count(f"{where}['overflows_left']", state["overflows_left"], minimum=1,
+                                              maximum=self.hysteresis),
+                "skipped_steps": check_count(f"{where}['skipped_steps']", state.get("skipped_steps", 0))}
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        missing = {"loss_scale", "clean_steps", "overflows_left"} - set(state)
-        if missing:
-            raise KeyError(f"state: a DynamicLossScaler state needs {sorted(missing)}")
-        scale = float(state["loss_scale"])
-        if not (math.isfinite(scale) and scale > 0):
-            raise ValueError(f"state: loss_scale must be a finite number > 0, got {scale}")
-        self.loss_scale = scale
-        self._clean_steps = int(state["clean_steps"])
-        self._overflows_left = int(state["overflows_left"])
-        self.skipped_steps = int(state.get("skipped_steps", 0))
+        """Every key is checked (:meth:`check_state_dict`) before any is assigned."""
+        checked = self.check_state_dict(state)
+        self.loss_scale = checked["loss_scale"]
+        self._clean_steps = checked["clean_steps"]
+        self._overflows_left = checked["overflows_left"]
+        self.skipped_steps = checked["skipped_steps"]
+
+
+def _check_loss(loss: Any) -> None:
+    if not isinstance(loss, Tensor) or not loss.is_floating_point():
+        raise TypeError(f"loss: expected a floating-point Tensor, got "
+                        f"{loss.dtype if isinstance(loss, Tensor) else type(loss).__name__}")
