@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from lightning_optim.optim.base import BaseOptimizer
 from lightning_optim.optim.validation import check_int
 from lightning_optim.precision import DynamicLossScaler, MasterWeights
+from lightning_optim.precision._checks import check_count
 
 __all__ = ["MasterWeightsPrecision", "KahanPrecision"]
 
@@ -179,11 +180,18 @@ class MasterWeightsPrecision(_LowPrecisionModule):
         self._load(state_dict)
 
     def _load(self, state: dict[str, Any]) -> None:
-        if self.loss_scaler is not None and "loss_scaler" in state:
-            self.loss_scaler.load_state_dict(state["loss_scaler"])
+        # every part checked before any is loaded: a bad masters entry must not leave the scale changed
+        scaler_state = state.get("loss_scaler") if self.loss_scaler is not None else None
+        if scaler_state is not None:
+            self.loss_scaler.check_state_dict(scaler_state, "loss_scaler")
+        if "masters" in state:
+            self.masters.check_state_dict(state["masters"], "masters")
+        skipped = check_count("skipped_steps", state.get("skipped_steps", 0))
+        if scaler_state is not None:
+            self.loss_scaler.load_state_dict(scaler_state)
         if "masters" in state:
             self.masters.load_state_dict(state["masters"])
-        self.skipped_steps = int(state.get("skipped_steps", 0))
+        self.skipped_steps = skipped
 
 
 class KahanPrecision(_LowPrecisionModule):

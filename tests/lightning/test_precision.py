@@ -133,3 +133,26 @@ def test_master_weights_precision_refuses_bad_arguments(kwargs, match):
 def test_kahan_precision_warns_for_a_torch_optimizer(tmp_path):
     with pytest.warns(UserWarning, match="has no Kahan summation"):
         w.fit(0, 1, str(tmp_path), max_steps=1, plugin="bf16_kahan", optimizer="torch_adamw")
+
+
+@pytest.mark.parametrize("bad_part", ["masters", "skipped_steps"])
+def test_master_weights_precision_loads_all_parts_or_none(bad_part):
+    # the scaler is loaded only after the masters and the counters passed their checks
+    from lightning_optim.lightning import MasterWeightsPrecision
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3).half()
+    plugin = MasterWeightsPrecision("16-true")
+    plugin.connect(model, [torch.optim.SGD(model.parameters(), lr=0.1)], [])
+    state = plugin.state_dict()
+    state["loss_scaler"]["loss_scale"] = state["loss_scaler"]["loss_scale"] / 4
+    if bad_part == "masters":
+        state["masters"]["masters"][0] = state["masters"]["masters"][0].long()
+    else:
+        state["skipped_steps"] = -1
+    before = plugin.state_dict()
+    with pytest.raises((TypeError, ValueError), match=bad_part):
+        plugin.load_state_dict(state)
+    after = plugin.state_dict()
+    assert after["loss_scaler"] == before["loss_scaler"] and after["skipped_steps"] == before["skipped_steps"]
+    assert all(torch.equal(a, b) for a, b in zip(after["masters"]["masters"], before["masters"]["masters"]))
