@@ -11,9 +11,10 @@ From the command line, ``HfArgumentParser(accel_plugins.hf.TrainingArguments)`` 
 Hyper-parameters: ``learning_rate`` -> ``lr``; ``weight_decay``; ``adam_beta1``/``adam_beta2`` ->
 ``betas`` (two-beta classes; Adan's three come from ``optim_args``) and ``adam_epsilon`` -> ``eps`` where the class takes them; then ``optim_args``
 (``key=value`` pairs separated by commas, values typed: ints, floats, ``True``/``False`` (also
-lower case), ``None``, tuples such as ``betas=(0.9,0.99)``) override. An unknown name or key, or a
-bad value, raises ``ValueError`` naming it (HF's own parser would read ``kahan_sum=False`` as the
-string "False", which is truthy).
+lower case), ``None``, tuples such as ``betas=(0.9,0.99)``) override. An unknown name or key, a key
+given twice, a pair without ``=`` or key, or a bad value (of the wrong type for the class's annotation,
+or out of its range) raises ``ValueError`` naming it (HF's own parser would read ``kahan_sum=False`` as
+the string "False", which is truthy, and keep the last of ``lr=1e-3,lr=2``).
 
 Names (``lightning_optim.catalogue``): adam, adamw, sgd, lamb, lars, lion, adan, radam, ranger,
 stable_adamw, sign_sgd, sparsified_sgd, cpu_adam, fused_adam, fused_lamb, fused_sgd, onebit_adam,
@@ -37,6 +38,7 @@ from typing import Any
 import transformers
 
 from lightning_optim.catalogue import OPTIMIZERS, optimizer_class
+from lightning_optim.config_check import culprit, parameter_rules
 
 __all__ = ["TrainingArguments", "Trainer", "optimizer_cls_and_kwargs", "parse_optim_args", "OPTIM_NAMES", "register",
            "unregister"]
@@ -71,14 +73,51 @@ def _value(key: str, text: str) -> Any:
 
 
 def parse_optim_args(text: str | None) -> dict[str, Any]:
-    """HF's ``optim_args`` string as typed keyword arguments."""
+    """HF's ``optim_args`` string as typed keyword arguments; a malformed pair or a repeated key raises
+    ``ValueError`` naming it (HF's own parser keeps the last of ``lr=1e-3,lr=2`` silently)."""
     out: dict[str, Any] = {}
     for pair in _split_pairs(text or ""):
-        key, sep, raw = pair.partition("=")
-        if not sep or not key.strip().isidentifier():
-            raise ValueError(f"optim_args: {pair!r} is not key=value")
-        out[key.strip()] = _value(key.strip(), raw)
+        key, sep, raw = (part.strip() for part in pair.partition("="))
+        if not sep:
+            raise ValueError(f"optim_args: {pair!r} is not key=value (no '=')")
+        if not key.isidentifier():
+            what = f"no valid key ({key!r})" if key else "no key"
+            raise ValueError(f"optim_args: {pair!r} has {what} before '='")
+        if key in out:
+            raise ValueError(f"optim_args: {key} is given twice ({key}={out[key]!r}, then {pair!r}); give it once")
+        out[key] = _value(key, raw)
     return out
+
+
+# where optimizer_cls_and_kwargs takes a keyword from, when optim_args does not set it
+_FROM_ARGS = {"lr": "learning_rate", "weight_decay": "weight_decay", "betas": "adam_beta1/adam_beta2",
+              "eps": "adam_epsilon"}
+_SUPPLIED = ("params", "model_params")  # the Trainer passes the model's parameters
+
+
+def _check_optim_args(cls: type, extra: dict[str, Any]) -> None:
+    """Every key one ``cls`` takes (along the ``**kwargs`` it forwards), every value of its annotated type."""
+    rules = parameter_rules(cls)
+    unknown = sorted(k for k in extra if k not in rules or k in _SUPPLIED)
+    if unknown:
+        raise ValueError(f"optim_args: {cls.__name__} takes no {', '.join(unknown)}; its arguments: "
+                         f"{', '.join(sorted(set(rules) - set(_SUPPLIED)))}")
+    for key, value in extra.items():
+        if not rules[key].test(value):
+            raise ValueError(f"optim_args: {key}={value!r} must be {rules[key].says}")
+
+
+def _refusal(name: str, cls: type, kwargs: dict[str, Any], extra: dict[str, Any], exc: Exception) -> ValueError:
+    """The constructor's error, led by the argument it is about: ``optim_args: key=...`` or the
+    TrainingArguments field the value came from."""
+    import torch
+
+    key = culprit(kwargs, lambda options: cls([torch.zeros(2, requires_grad=True)], **options), exc)
+    if key in extra:
+        return ValueError(f"optim_args: {key}={extra[key]!r}: {exc}")
+    if key in _FROM_ARGS:
+        return ValueError(f"{_FROM_ARGS[key]} (the {name} optimizer's {key}): {exc}")
+    return ValueError(f"optim / optim_args ({name}): {exc}")
 
 
 def optimizer_cls_and_kwargs(args: Any) -> tuple[type, dict[str, Any]]:
@@ -101,18 +140,14 @@ def optimizer_cls_and_kwargs(args: Any) -> tuple[type, dict[str, Any]]:
     if OPTIMIZERS[name].onebit:
         kwargs["average_grads"] = False  # the Trainer's DDP averages the warmup steps (switched off after)
     extra = parse_optim_args(getattr(args, "optim_args", None))
-    open_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in inspect.signature(cls).parameters.values())
-    unknown = sorted(k for k in extra if k not in accepted and not open_kwargs)
-    if unknown or "params" in extra:
-        raise ValueError(f"optim_args: {cls.__name__} takes no {', '.join(unknown or ['params'])}; its arguments: "
-                         f"{', '.join(sorted(accepted - {'params', 'model_params'}))}")
+    _check_optim_args(cls, extra)
     kwargs.update(extra)
     try:  # check every value now, by name, on a dummy param (not at the first training step)
         import torch
 
         cls([torch.zeros(2, requires_grad=True)], **kwargs)
     except (TypeError, ValueError) as exc:
-        raise ValueError(f"optim / optim_args ({name}): {exc}") from None
+        raise _refusal(name, cls, kwargs, extra, exc) from None
     return cls, kwargs
 
 

@@ -1,48 +1,386 @@
-"""Check the main job's config before anything trains or validates, and name the Hydra key at fault.
+"""Check the main job's whole config before anything is built, and name the Hydra key at fault.
 
-The optimizer is built lazily by Lightning (in ``configure_optimizers``, after the first validation
-pass), so a bad ``optimizer.lr`` used to surface deep in a traceback, as ``lr``. Here each group is
-built once up front, on a dummy parameter: the optimizer partial, the strategy (and the 1-bit
-conversion it will do), and the scheduler's numbers against ``trainer.max_steps``. A failure becomes
-a :class:`ConfigError` whose message starts with the full key (``optimizer.lr: ...``); the job
-prints it in a few lines and exits with status 2.
+Every key of every group has a rule, in one of two places:
+
+- :data:`SCHEMA`, declared here, for the groups the job itself reads (top level, ``scheduler``, ``model``,
+  ``data``) and for the ``trainer`` keys whose range the job knows (``devices``, ``max_steps``, ...);
+- the constructor's signature, for a ``_target_`` option (optimizer, strategy, precision plugin) and for
+  any other ``trainer.*`` key (``+trainer.<arg>``: an argument of ``lightning.Trainer``): the annotation
+  gives the type, and the constructor itself, called once on a dummy parameter, checks the range.
+
+A key without a rule is refused as unknown. Then the interplay of groups is checked (heads divide the width,
+devices exist, gradient release or a strategy against precision and clipping). Anything wrong raises a
+:class:`ConfigError` whose one-line message starts with the full key (``model.n_layer: must be ...``);
+the job prints it and exits with status 2 before the Trainer is built, so no other rank ever starts.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
+import inspect
+import math
+import operator
 import re
-from collections.abc import Callable
+import types
+import typing
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import hydra
 import torch
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from lightning_optim.onebit import OnebitOptimizer
 
-__all__ = ["ConfigError", "check_config"]
+__all__ = ["ConfigError", "Rule", "SCHEMA", "check_config", "checked_datamodule", "culprit", "key_rules",
+           "parameter_rules", "resolved", "trainer_error"]
 
-_HYDRA_KEYS = ("_target_", "_partial_", "_recursive_", "_convert_", "_args_")
+GROUPS = ("optimizer", "strategy", "precision", "model", "data", "trainer")
+_EMPTY = inspect.Parameter.empty
 
 
 class ConfigError(ValueError):
     """A config value is wrong; the message starts with its Hydra key."""
 
 
-def _culprit(group: str, options: dict[str, Any], build: Callable[[dict[str, Any]], Any], exc: Exception) -> str:
-    """The key of ``options`` that ``exc`` is about: named in the message, else the one whose removal
-    (back to the class default) makes ``build`` succeed; else the group itself."""
-    keys = [k for k in options if k not in _HYDRA_KEYS]
-    text = str(exc)
-    named = [(m.start(), k) for k in keys for m in [re.search(rf"(?<![\w.]){re.escape(k)}(?![\w])", text)] if m]
-    if named:
-        return f"{group}.{min(named)[1]}"
+# ----------------------------------------------------------------------------------------------- rules
+@dataclass(frozen=True)
+class Rule:
+    """What one key takes: ``test(value)`` says yes or no; ``says`` is the valid range in words."""
+
+    test: Callable[[Any], bool]
+    says: str
+
+    def __or__(self, other: Rule) -> Rule:
+        return Rule(lambda v: self.test(v) or other.test(v), f"{self.says} or {other.says}")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)  # YAML's true is no 1 here
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _within(value: float, low: float | None, high: float | None, open_low: bool, open_high: bool) -> bool:
+    above = low is None or value > low or (value == low and not open_low)
+    below = high is None or value < high or (value == high and not open_high)
+    return above and below
+
+
+def _bounds(low: float | None, high: float | None, open_low: bool = False, open_high: bool = False) -> str:
+    if low is not None and high is not None:
+        return f" in {'(' if open_low else '['}{low}, {high}{')' if open_high else ']'}"
+    if low is not None:
+        return f" {'>' if open_low else '>='} {low}"
+    return "" if high is None else f" {'<' if open_high else '<='} {high}"
+
+
+def integer(low: int | None = None, high: int | None = None) -> Rule:
+    return Rule(lambda v: _is_int(v) and _within(v, low, high, False, False), "an int" + _bounds(low, high))
+
+
+def number(low: float | None = None, high: float | None = None, *, open_low: bool = False,
+           open_high: bool = False) -> Rule:
+    """A finite int or float in the range: NaN and inf never are."""
+    return Rule(lambda v: _is_number(v) and math.isfinite(v) and _within(v, low, high, open_low, open_high),
+                "a number" + _bounds(low, high, open_low, open_high))
+
+
+def one_of(*choices: Any) -> Rule:
+    # same type too: YAML's true must not pass for a Literal[1], nor 1 for True
+    return Rule(lambda v: any(v == c and type(v) is type(c) for c in choices),
+                "one of " + ", ".join(map(repr, choices)))
+
+
+def refused(says: str) -> Rule:
+    return Rule(lambda v: False, says)
+
+
+ANYTHING = Rule(lambda v: True, "anything")
+NULL = Rule(lambda v: v is None, "null")
+BOOL = Rule(lambda v: isinstance(v, bool), "true or false")
+TEXT = Rule(lambda v: isinstance(v, str) and v != "", "a non-empty string")
+SECTION = Rule(lambda v: isinstance(v, dict), "a mapping")
+_SEED = integer(0, 2**32 - 1)  # seed_everything's (numpy's) range
+_DURATION = Rule(lambda v: isinstance(v, str) and re.fullmatch(r"\d+:\d\d:\d\d:\d\d", v) is not None,
+                 "a 'DD:HH:MM:SS' duration")
+_DEVICE_LIST = Rule(lambda v: isinstance(v, list) and bool(v) and all(_is_int(i) and i >= 0 for i in v), "")
+_DEVICE_TEXT = Rule(lambda v: isinstance(v, str) and re.fullmatch(r"\d+(,\d+)*,?", v.replace(" ", "")) is not None, "")
+
+
+def _owned(group: str) -> Rule:
+    return refused(f"left to the job (it passes trainer.{group} from the {group} group: use {group}=<option>)")
+
+
+# ---------------------------------------------------------------------------------------------- schema
+# The groups the job reads itself. Every key listed is required in these sections (the shipped options
+# set them all); "trainer" keys are optional (lightning.Trainer's defaults) and extended by its signature.
+SCHEMA: dict[str, dict[str, Rule]] = {
+    "": {"seed": _SEED, "gradient_release": BOOL, "split_weight_decay": BOOL, "scheduler": NULL | SECTION,
+         **{group: SECTION for group in GROUPS}},
+    "scheduler": {"warmup_steps": integer(0), "min_lr_ratio": number(0, 1)},
+    "model": {"n_layer": integer(1), "n_head": integer(1), "d_model": integer(1), "mlp_ratio": integer(1),
+              "dropout": number(0, 1, open_high=True)},
+    "data": {"path": NULL | TEXT, "glob": TEXT, "max_bytes": NULL | integer(1),
+             "val_fraction": number(0, 1, open_low=True, open_high=True), "seq_len": integer(1),
+             "batch_size": integer(1), "val_windows": integer(1), "num_workers": integer(0), "seed": _SEED},
+    "trainer": {
+        "accelerator": one_of("auto", "cpu", "gpu", "cuda", "mps", "tpu"),
+        "devices": Rule((integer(1) | one_of(-1, "auto") | _DEVICE_LIST | _DEVICE_TEXT).test,
+                        "an int >= 1, -1 (all), 'auto', a list of device indices or a string such as '0,1'"),
+        "num_nodes": integer(1),
+        "max_steps": integer(-1),  # -1: no limit (then max_epochs)
+        "max_epochs": NULL | integer(-1),
+        "min_steps": NULL | integer(0),
+        "min_epochs": NULL | integer(0),
+        "val_check_interval": NULL | integer(1) | number(0, 1, open_low=True) | _DURATION,
+        "check_val_every_n_epoch": NULL | integer(1),
+        "limit_val_batches": integer(1) | number(0, 1, open_low=True),  # never 0: the job reports val_loss
+        "limit_train_batches": NULL | integer(0) | number(0, 1),
+        "num_sanity_val_steps": NULL | integer(-1),
+        "log_every_n_steps": NULL | integer(1),
+        "gradient_clip_val": NULL | number(0),  # null or 0: no clipping
+        "gradient_clip_algorithm": NULL | one_of("norm", "value"),
+        "accumulate_grad_batches": integer(1),
+        "fast_dev_run": BOOL | integer(0),  # Lightning checks these three after printing its device banner
+        "overfit_batches": integer(0) | number(0, 1),
+        "reload_dataloaders_every_n_epochs": integer(0),
+        "enable_progress_bar": NULL | BOOL,
+        "enable_checkpointing": NULL | BOOL,
+        "enable_model_summary": NULL | BOOL,
+        **{key: _owned(key) for key in ("strategy", "precision")},
+        **{key: refused("left to the job") for key in ("plugins", "logger", "callbacks", "default_root_dir")},
+    },
+}
+_REQUIRED_SECTIONS = ("", "scheduler", "model", "data")
+_SECTIONS = ("scheduler", *GROUPS)  # keys holding a mapping of their own keys
+_HYDRA_RULES = {"_target_": TEXT, "_partial_": BOOL, "_recursive_": BOOL,
+                "_convert_": one_of("none", "partial", "object", "all")}
+
+
+# ------------------------------------------------------------------------ rules from a constructor
+def annotation_rule(annotation: Any, default: Any = _EMPTY) -> Rule | None:
+    """The values a config can give a parameter so annotated; None where it can give none (a class, a
+    callable). No annotation: the default's type."""
+    if annotation is _EMPTY:
+        kind = type(default)
+        return annotation_rule(kind) if kind in (bool, int, float, str) else ANYTHING
+    if annotation in (Any, object):
+        return ANYTHING
+    scalars = {bool: BOOL, int: Rule(_is_int, "an int"), float: Rule(_is_number, "a number"),
+               str: Rule(lambda v: isinstance(v, str), "a string"), type(None): NULL}
+    if annotation in scalars:
+        return scalars[annotation]
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        members = [rule for rule in map(annotation_rule, args) if rule is not None]
+        return functools.reduce(operator.or_, members) if members else None
+    if origin is typing.Literal:
+        return one_of(*args)
+    if origin is tuple and args and args[-1] is not Ellipsis:
+        return _sequence([annotation_rule(a) for a in args])
+    if origin in (list, tuple, Sequence, Iterable):
+        inner = annotation_rule(args[0]) if args else ANYTHING
+        return None if inner is None else Rule(lambda v: isinstance(v, (list, tuple)) and all(map(inner.test, v)),
+                                               f"a list (each {inner.says})")
+    if origin in (dict, Mapping):
+        inner = annotation_rule(args[1]) if len(args) == 2 else ANYTHING
+        return None if inner is None else Rule(lambda v: isinstance(v, dict) and all(map(inner.test, v.values())),
+                                               f"a mapping (each value {inner.says})")
+    return None
+
+
+def _sequence(items: list[Rule | None]) -> Rule | None:
+    if any(rule is None for rule in items):
+        return None
+    says = {rule.says for rule in items}
+    each = f"each {items[0].says}" if len(says) == 1 else ", ".join(rule.says for rule in items)
+    return Rule(lambda v: isinstance(v, (list, tuple)) and len(v) == len(items)
+                and all(rule.test(x) for rule, x in zip(items, v)), f"a list of {len(items)} values ({each})")
+
+
+def _hints(function: Callable[..., Any]) -> dict[str, Any]:
+    try:
+        return typing.get_type_hints(function)
+    except Exception:  # noqa: BLE001 - one unresolvable name (a TYPE_CHECKING import) must not hide the rest
+        hints = {}
+        for name, param in inspect.signature(function).parameters.items():
+            text = param.annotation
+            try:  # the class's own annotation text, as get_type_hints would evaluate it
+                hints[name] = eval(text, function.__globals__) if isinstance(text, str) else text  # noqa: S307
+            except Exception:  # noqa: BLE001
+                hints[name] = Any
+        return hints
+
+
+def _init_chain(target: Callable[..., Any]) -> list[Callable[..., Any]]:
+    """The functions a keyword given to ``target`` may reach: a class's ``__init__`` along the MRO while each
+    passes ``**kwargs`` on (Lightning's DDPStrategy passes its own to torch's DistributedDataParallel)."""
+    from lightning.pytorch.strategies import DDPStrategy
+
+    if not inspect.isclass(target):
+        return [target]  # a factory function
+    chain = []
+    for owner in target.__mro__:
+        if owner is object or "__init__" not in vars(owner):
+            continue
+        chain.append(owner.__init__)
+        if owner is DDPStrategy:
+            chain.append(torch.nn.parallel.DistributedDataParallel.__init__)
+            break
+        if not any(p.kind is p.VAR_KEYWORD for p in inspect.signature(owner.__init__).parameters.values()):
+            break
+    return chain
+
+
+_SET_BY_LIGHTNING = {"module", "device_ids", "output_device", "process_group", "device_mesh"}  # DDP's
+
+
+@functools.cache
+def parameter_rules(target: Callable[..., Any]) -> dict[str, Rule]:
+    """Every keyword ``target(...)`` takes -> the values a config may give it (annotation, else the default's type)."""
+    rules: dict[str, Rule] = {}
+    for function in _init_chain(target):
+        hints = _hints(function)
+        params = list(inspect.signature(function).parameters.items())
+        for name, param in params[1:] if inspect.isclass(target) else params:  # [0]: self
+            if param.kind in (param.VAR_KEYWORD, param.VAR_POSITIONAL) or name in _SET_BY_LIGHTNING:
+                continue
+            rule = annotation_rule(hints.get(name, _EMPTY), param.default)
+            rules.setdefault(name, rule or refused("not settable from a config (it takes an object)"))
+    return rules
+
+
+def _required_parameters(cls: type, partial: bool) -> list[str]:
+    params = [p for p in inspect.signature(cls).parameters.values() if p.kind in (p.POSITIONAL_OR_KEYWORD,
+                                                                                  p.KEYWORD_ONLY)]
+    return [p.name for p in params[1 if partial else 0:] if p.default is _EMPTY]  # a partial gets params later
+
+
+@functools.cache
+def _trainer_rules() -> dict[str, Rule]:
+    import lightning
+
+    return {**parameter_rules(lightning.Trainer), **SCHEMA["trainer"]}
+
+
+def _names(group: str) -> Rule:
+    """The ``name`` of a strategy/precision option without ``_target_``: a name Lightning knows."""
+    if group == "strategy":
+        from lightning.pytorch.strategies import StrategyRegistry
+
+        names = one_of("auto", *StrategyRegistry.available_strategies())
+        return Rule(names.test, "'auto' or a name in Lightning's StrategyRegistry (ddp, fsdp, onebit_adam, ...)")
+    from lightning.fabric.connector import _PRECISION_INPUT_STR
+
+    return one_of(*(n for n in typing.get_args(_PRECISION_INPUT_STR) if not n.startswith("transformer-engine")))
+
+
+def _target_class(section: str, options: dict[str, Any]) -> Callable[..., Any]:
+    # importlib, not hydra.utils.get_class: that one also logs the failure over several lines
+    module, _, name = str(options["_target_"]).rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise ConfigError(f"{section}._target_: cannot import {options['_target_']!r} ({exc})") from None
+
+
+def _section_rules(section: str, options: dict[str, Any]) -> dict[str, Rule]:
+    if section in ("scheduler", "model", "data"):
+        return SCHEMA[section]
+    if section == "trainer":
+        return _trainer_rules()
+    if "_target_" in options:
+        return {**_HYDRA_RULES, **parameter_rules(_target_class(section, options))}
+    if section == "optimizer":
+        return {"_target_": TEXT}  # always a class
+    return {"name": _names(section)}
+
+
+def key_rules(cfg: dict[str, Any]) -> dict[str, Rule]:
+    """The rule of every key ``cfg`` may hold, by its full dotted name (``""`` section: the top level)."""
+    rules = dict(SCHEMA[""])
+    for section in _SECTIONS:
+        options = cfg.get(section)
+        if isinstance(options, dict):
+            rules.update({f"{section}.{key}": rule for key, rule in _section_rules(section, options).items()})
+    return rules
+
+
+def _check_keys(cfg: dict[str, Any]) -> None:
+    """Every key known and of its type and range; the required ones present."""
+    rules = key_rules(cfg)
+    for key, value in _leaves(cfg):
+        if key not in rules:
+            raise ConfigError(f"{key}: unknown key ({_valid_keys(key.rpartition('.')[0], rules)})")
+        if not rules[key].test(value):
+            raise ConfigError(f"{key}: must be {rules[key].says}, got {value!r}")
+    _check_required(cfg)
+
+
+def _check_required(cfg: dict[str, Any]) -> None:
+    """The declared keys of the sections the job reads; a constructor's arguments without a default."""
+    for section in _REQUIRED_SECTIONS:
+        options = cfg if section == "" else cfg.get(section)
+        for key in SCHEMA[section] if isinstance(options, dict) else ():
+            if key not in options:
+                raise ConfigError(f"{_join(section, key)}: required, missing (it must be {SCHEMA[section][key].says})")
+    for section in ("optimizer", "strategy", "precision"):
+        options = cfg[section]
+        if "_target_" in options:
+            for key in _required_parameters(_target_class(section, options), bool(options.get("_partial_"))):
+                if key not in options:
+                    raise ConfigError(f"{section}.{key}: required, missing")
+        elif "name" not in options:
+            raise ConfigError(f"{section}: needs _target_ (a class) or name (a Lightning {section} name)")
+
+
+def _valid_keys(section: str, rules: dict[str, Rule]) -> str:
+    if section == "trainer":
+        return "no argument of lightning.Trainer"  # some 50: the list would not help
+    names = sorted(k.rpartition(".")[2] for k in rules if k.rpartition(".")[0] == section)
+    return f"{section or 'the top level'} takes {', '.join(n for n in names if not n.startswith('_'))}"
+
+
+def _join(section: str, key: str) -> str:
+    return f"{section}.{key}" if section else key
+
+
+def _leaves(cfg: dict[str, Any]) -> Iterable[tuple[str, Any]]:
+    """(full key, value) for every key: the top level's first (``data.seed: ${seed}`` is reported as seed),
+    then each section's."""
+    yield from cfg.items()
+    for key, value in cfg.items():
+        if key in _SECTIONS and isinstance(value, dict):
+            yield from ((f"{key}.{inner}", v) for inner, v in value.items())
+
+
+# ------------------------------------------------------------------------------ built by the classes
+def named_key(keys: Iterable[str], text: str) -> str | None:
+    """The key of ``keys`` that ``text`` names first (as a whole word), if any."""
+    found = [(m.start(), k) for k in keys for m in [re.search(rf"(?<![\w.]){re.escape(k)}(?!\w)", text)] if m]
+    return min(found)[1] if found else None
+
+
+def culprit(options: dict[str, Any], build: Callable[[dict[str, Any]], Any], exc: Exception) -> str | None:
+    """The key of ``options`` that ``exc`` (raised by ``build(options)``) is about: named in the message,
+    else the one whose removal (back to the default) makes ``build`` succeed; else None."""
+    keys = [k for k in options if not k.startswith("_")]
+    key = named_key(keys, str(exc))
+    if key is not None:
+        return key
     for key in keys:
         try:
             build({k: v for k, v in options.items() if k != key})
         except Exception:  # noqa: BLE001 - still failing: not this key
             continue
-        return f"{group}.{key}"
-    return group
+        return key
+    return None
 
 
 def _check(group: str, options: dict[str, Any], build: Callable[[dict[str, Any]], Any]) -> Any:
@@ -51,7 +389,8 @@ def _check(group: str, options: dict[str, Any], build: Callable[[dict[str, Any]]
     except Exception as exc:  # hydra wraps constructor errors in InstantiationException, cause attached
         cause = exc.__cause__ if exc.__cause__ is not None else exc
         if isinstance(cause, (TypeError, ValueError)):
-            raise ConfigError(f"{_culprit(group, options, build, cause)}: {cause}") from None
+            key = culprit(options, build, cause)
+            raise ConfigError(f"{group}.{key}: {cause}" if key else f"{group}: {cause}") from None
         raise
 
 
@@ -60,31 +399,19 @@ def _optimizer(options: dict[str, Any]) -> torch.optim.Optimizer:
     return factory([torch.zeros(4, 3, requires_grad=True), torch.zeros(3, requires_grad=True)])
 
 
-def _check_release(cfg: dict[str, Any], strategy_cfg: dict[str, Any], precision_cfg: dict[str, Any]) -> None:
-    """``gradient_release``: a bool, and none of the settings GradientRelease refuses at fit start."""
-    release = cfg.get("gradient_release", False)
-    if not isinstance(release, bool):
-        raise ConfigError(f"gradient_release: must be true or false, got {release!r}")
-    if not release:
-        return
-    clip = cfg.get("trainer", {}).get("gradient_clip_val")
-    if clip:
-        raise ConfigError(f"gradient_release: conflicts with trainer.gradient_clip_val={clip} (each gradient is "
-                          "stepped and freed during backward); add trainer.gradient_clip_val=null")
-    if precision_cfg.get("name") == "16-mixed" or "MasterWeightsPrecision" in str(precision_cfg.get("_target_")):
-        raise ConfigError("gradient_release: conflicts with precision (loss scaling checks the whole model before "
-                          "stepping); use precision=32-true, bf16-mixed or bf16_kahan")
-    if "Onebit" in str(strategy_cfg.get("_target_")) or "ZeroOne" in str(strategy_cfg.get("_target_")):
-        raise ConfigError("gradient_release: conflicts with the 1-bit strategy (it communicates the whole model's "
-                          "momentum in one step); use strategy=ddp or strategy=auto")
+@dataclass
+class _Built:
+    optimizer: torch.optim.Optimizer
+    strategy: Any  # None for a {name: ...} option
+    precision: Any  # the plugin, None for a {name: ...} option
 
 
-def check_config(cfg: dict[str, Any]) -> None:
-    """Raise :class:`ConfigError` for the first bad value of the optimizer, strategy or scheduler."""
+def _build(cfg: dict[str, Any]) -> _Built:
+    """Each ``_target_`` once, on a dummy parameter: the ranges its constructor checks, by key."""
     optimizer = _check("optimizer", cfg["optimizer"], _optimizer)
-    strategy_cfg = cfg.get("strategy") or {}
-    if "_target_" in strategy_cfg:
-        strategy = _check("strategy", strategy_cfg, hydra.utils.instantiate)
+    strategy = precision = None
+    if "_target_" in cfg["strategy"]:
+        strategy = _check("strategy", cfg["strategy"], hydra.utils.instantiate)
         target = getattr(strategy, "optimizer_class", None)
         if target is not None and not isinstance(optimizer, OnebitOptimizer):  # the strategy will convert it
             from lightning_optim.lightning.convert import to_onebit
@@ -92,23 +419,181 @@ def check_config(cfg: dict[str, Any]) -> None:
             try:
                 to_onebit(optimizer, target, getattr(strategy, "_knobs", {}))
             except (TypeError, ValueError) as exc:
-                raise ConfigError(f"optimizer (converted by strategy={strategy_cfg['_target_']}): {exc}") from None
-    precision_cfg = cfg.get("precision") or {}
-    if "_target_" in precision_cfg:
-        _check("precision", precision_cfg, hydra.utils.instantiate)
-    _check_release(cfg, strategy_cfg, precision_cfg)
-    scheduler = cfg.get("scheduler")
-    if scheduler:
-        for key, low, high in (("warmup_steps", 0, None), ("min_lr_ratio", 0.0, 1.0)):
-            value = scheduler.get(key)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
-                raise ConfigError(f"scheduler.{key}: must be a number, got {value!r}")
-            if value < low or (high is not None and value > high):
-                bounds = f"[{low}, {high}]" if high is not None else f">= {low}"
-                raise ConfigError(f"scheduler.{key}: must be {bounds}, got {value}")
-        max_steps = cfg.get("trainer", {}).get("max_steps", -1)
-        if not isinstance(max_steps, int) or max_steps < 1:
-            raise ConfigError(
-                f"trainer.max_steps: the scheduler decays over trainer.max_steps, which must be >= 1 here (got "
-                f"{max_steps!r}); set scheduler=null to train without it"
-            )
+                raise ConfigError(f"optimizer (converted by strategy={cfg['strategy']['_target_']}): {exc}") from None
+    if "_target_" in cfg["precision"]:
+        precision = _check("precision", cfg["precision"], hydra.utils.instantiate)
+    return _Built(optimizer, strategy, precision)
+
+
+# ----------------------------------------------------------------------------------------- interplay
+def _accelerator(trainer: dict[str, Any]) -> str:
+    """The accelerator Lightning will pick: auto/gpu resolved on this machine."""
+    name = trainer.get("accelerator", "auto")
+    if name not in ("auto", "gpu"):
+        return name
+    if torch.cuda.is_available():
+        return "cuda"
+    mps = getattr(torch.backends, "mps", None)
+    if mps is not None and mps.is_available():
+        return "mps"
+    return "cpu" if name == "auto" else "cuda"
+
+
+def _devices_exist(cfg: dict[str, Any], built: _Built) -> None:
+    from lightning.pytorch.accelerators import AcceleratorRegistry
+
+    trainer = cfg["trainer"]
+    name = _accelerator(trainer)
+    accelerator = AcceleratorRegistry[name]["accelerator"]
+    if not accelerator.is_available():
+        raise ConfigError(f"trainer.accelerator: {trainer.get('accelerator')!r} ({name}) is not available on this "
+                          "machine; use auto or cpu")
+    devices = trainer.get("devices", "auto")
+    if devices == "auto":
+        return
+    if name == "cpu":
+        processes = int(devices) if isinstance(devices, str) and devices.isdigit() else devices
+        if not (_is_int(processes) and processes >= 1):
+            raise ConfigError(f"trainer.devices: on CPU must be a number of processes >= 1 or 'auto', got {devices!r}")
+        return
+    count = accelerator.auto_device_count()
+    if isinstance(devices, str):
+        devices = [int(i) for i in devices.replace(" ", "").split(",") if i]
+    if (_is_int(devices) and devices > count) or (isinstance(devices, list) and max(devices) >= count):
+        raise ConfigError(f"trainer.devices: {devices!r} asks for more than the {count} {name} device(s) here")
+
+
+def _heads_divide_width(cfg: dict[str, Any], built: _Built) -> None:
+    model = cfg["model"]
+    if model["d_model"] % model["n_head"]:
+        raise ConfigError(f"model.d_model: must be divisible by model.n_head={model['n_head']} (each head gets "
+                          f"d_model / n_head), got {model['d_model']}")
+
+
+def _validation_is_by_steps(cfg: dict[str, Any], built: _Built) -> None:
+    trainer = cfg["trainer"]
+    interval = trainer.get("val_check_interval")
+    if isinstance(interval, float) and trainer.get("check_val_every_n_epoch", 1) is None:
+        raise ConfigError(f"trainer.val_check_interval: must be an int (steps) or a duration while "
+                          f"trainer.check_val_every_n_epoch is null, got {interval!r}")
+
+
+def _scheduler_has_steps(cfg: dict[str, Any], built: _Built) -> None:
+    max_steps = cfg["trainer"].get("max_steps", -1)
+    if cfg.get("scheduler") and max_steps < 1:
+        raise ConfigError(f"trainer.max_steps: the scheduler decays over trainer.max_steps, which must be >= 1 here "
+                          f"(got {max_steps!r}); set scheduler=null to train without it")
+
+
+def _grad_scaler(cfg: dict[str, Any]) -> bool:
+    """Whether Lightning will use torch's GradScaler (16-mixed on CUDA; on CPU it runs bf16-mixed)."""
+    return cfg["precision"].get("name") == "16-mixed" and _accelerator(cfg["trainer"]) == "cuda"
+
+
+def _release_conflicts(cfg: dict[str, Any], built: _Built) -> None:
+    """``gradient_release``: none of what GradientRelease refuses at fit start, said now."""
+    from lightning_optim.lightning._base import _OnebitStrategyMixin
+    from lightning_optim.lightning.precision import MasterWeightsPrecision
+    from lightning_optim.optim.base import BaseOptimizer
+
+    if not cfg["gradient_release"]:
+        return
+    clip = cfg["trainer"].get("gradient_clip_val")
+    if clip:
+        raise ConfigError(f"gradient_release: conflicts with trainer.gradient_clip_val={clip} (each gradient is "
+                          "stepped and freed during backward); add trainer.gradient_clip_val=null")
+    if cfg["precision"].get("name") == "16-mixed" or isinstance(built.precision, MasterWeightsPrecision):
+        raise ConfigError("gradient_release: conflicts with precision (loss scaling checks the whole model before "
+                          "stepping); use precision=32-true, bf16-mixed or bf16_kahan")
+    if isinstance(built.strategy, _OnebitStrategyMixin):
+        raise ConfigError("gradient_release: conflicts with the 1-bit strategy (it communicates the whole model's "
+                          "momentum in one step); use strategy=ddp or strategy=auto")
+    from lightning.pytorch.strategies import DDPStrategy
+
+    name = cfg["strategy"].get("name", "")
+    plain_ddp = built.strategy is None or type(built.strategy) is DDPStrategy  # a name: auto, ddp, ... by Lightning
+    if not plain_ddp or name.startswith(("fsdp", "deepspeed", "xla")):
+        raise ConfigError(f"gradient_release: conflicts with strategy {cfg['strategy'].get('_target_', name)} (it "
+                          "steps inside its own DDP comm hook); use strategy=ddp or strategy=auto")
+    if not isinstance(built.optimizer, BaseOptimizer):
+        raise ConfigError(f"gradient_release: needs a lightning_optim optimizer, got {cfg['optimizer']['_target_']}")
+
+
+def _strategy_conflicts(cfg: dict[str, Any], built: _Built) -> None:
+    """What the 1-bit and comm-hook strategies refuse at setup (on every rank), said now."""
+    from lightning_optim.lightning._base import _OnebitStrategyMixin
+    from lightning_optim.lightning._comm_hook_strategies import _CommHookStrategyMixin, _communicates_itself
+
+    strategy = built.strategy
+    if cfg["strategy"].get("overlap") and cfg["trainer"].get("gradient_clip_val"):
+        raise ConfigError("strategy.overlap: true steps the momentum during backward, before "
+                          "trainer.gradient_clip_val could clip; add trainer.gradient_clip_val=null or drop overlap")
+    scaler_refused = isinstance(strategy, _OnebitStrategyMixin) or getattr(strategy, "_refuses_grad_scaler", False)
+    if scaler_refused and _grad_scaler(cfg):
+        raise ConfigError(f"precision: 16-mixed (GradScaler: each rank skips steps alone) conflicts with strategy "
+                          f"{cfg['strategy']['_target_']}; use bf16-mixed, 32-true or fp16_master")
+    if isinstance(strategy, _CommHookStrategyMixin) and _communicates_itself(built.optimizer):
+        raise ConfigError(f"optimizer: {cfg['optimizer']['_target_']} communicates by itself, and strategy "
+                          f"{cfg['strategy']['_target_']} already hands it averaged gradients; use a local optimizer")
+
+
+_INTERPLAY = (_devices_exist, _heads_divide_width, _validation_is_by_steps, _scheduler_has_steps,
+              _release_conflicts, _strategy_conflicts)
+
+
+def check_config(cfg: dict[str, Any]) -> None:
+    """Raise :class:`ConfigError` for the first bad key: unknown, of a wrong type or range, or in conflict."""
+    _check_keys(cfg)
+    built = _build(cfg)
+    for check in _INTERPLAY:
+        check(cfg, built)
+
+
+# ------------------------------------------------------------------------------------------ the job
+def resolved(config: DictConfig) -> dict[str, Any]:
+    """Plain containers; a missing mandatory value (``???``) or a broken interpolation names its key."""
+    try:
+        return OmegaConf.to_container(config, resolve=True, throw_on_missing=True)
+    except MissingMandatoryValue as exc:
+        raise ConfigError(f"{exc.full_key}: required, no default (set {exc.full_key}=<value>)") from None
+    except OmegaConfBaseException as exc:
+        raise ConfigError(f"{exc.full_key}: {str(exc).splitlines()[0]}") from None
+
+
+def checked_datamodule(cfg: dict[str, Any]) -> Any:
+    """The data module with its corpus loaded now (Lightning's own ``setup`` then reuses it): a missing path,
+    no matching file or too little text names its ``data.*`` key before any rank starts."""
+    from lightning_optim.data import ByteDataModule
+
+    datamodule = ByteDataModule(**cfg["data"])
+    try:
+        datamodule.setup()
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{named_key([f'data.{k}' for k in cfg['data']], str(exc)) or 'data.path'}: {exc}") from None
+    _interval_fits_an_epoch(cfg, len(datamodule.train_set))
+    return datamodule
+
+
+def _interval_fits_an_epoch(cfg: dict[str, Any], windows: int) -> None:
+    """Lightning refuses, at the first epoch, more steps between validations than an epoch has (unless
+    validation counts steps across epochs: check_val_every_n_epoch null)."""
+    trainer = cfg["trainer"]
+    interval, limit = trainer.get("val_check_interval"), trainer.get("limit_train_batches")
+    if not _is_int(interval) or trainer.get("check_val_every_n_epoch", 1) is None:
+        return
+    devices = trainer.get("devices")
+    world = (devices if _is_int(devices) and devices > 0 else 1) * trainer.get("num_nodes", 1)
+    batches = -(-windows // world) // cfg["data"]["batch_size"]  # DistributedSampler pads, the loader drops
+    if limit is not None:
+        batches = min(batches, limit) if _is_int(limit) else int(batches * limit)
+    if interval > batches:
+        raise ConfigError(f"trainer.val_check_interval: {interval} is more than the {batches} training batches of an "
+                          "epoch; use a smaller value or trainer.check_val_every_n_epoch=null")
+
+
+def trainer_error(cfg: dict[str, Any], exc: Exception) -> ConfigError | None:
+    """A ConfigError for an error of ``lightning.Trainer(...)`` that names one of its config keys, else None."""
+    key = named_key([*cfg["trainer"], "precision", "strategy"], str(exc))
+    if key is None:
+        return None
+    return ConfigError(f"{key if key in ('precision', 'strategy') else 'trainer.' + key}: {' '.join(str(exc).split())}")

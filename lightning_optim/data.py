@@ -186,10 +186,10 @@ class ByteDataModule(L.LightningDataModule):
     def _check_size(self, split: str, text: bytes) -> None:
         if len(text) < self.seq_len + 1:
             source = "the standard library" if self.path is None else f"data.path='{self.path}'"
-            raise ValueError(
-                f"{source}: the {split} split has {len(text)} bytes, too few for one sequence of "
-                f"data.seq_len={self.seq_len} (+1); use more text (data.max_bytes, data.path), "
-                f"a smaller data.seq_len, or another data.val_fraction"
+            raise ValueError(  # data.seq_len leads: the job reports the first data.* key named
+                f"data.seq_len={self.seq_len} (+1) is more than the {len(text)} bytes of the {split} split of "
+                f"{source}; use more text (data.max_bytes, data.path), a smaller data.seq_len, or another "
+                f"data.val_fraction"
             )
 
     def train_dataloader(self) -> DataLoader:

@@ -74,6 +74,10 @@ class ByteGPT(nn.Module):
         vocab_size: int = VOCAB_SIZE,
     ) -> None:
         super().__init__()
+        _check_sizes(max_seq_len=max_seq_len, n_layer=n_layer, n_head=n_head, d_model=d_model, mlp_ratio=mlp_ratio,
+                     vocab_size=vocab_size)
+        if not (isinstance(dropout, (int, float)) and 0.0 <= dropout < 1.0):  # 1.0 would zero every activation
+            raise ValueError(f"model.dropout={dropout!r} must be a number in [0, 1)")
         self.max_seq_len = max_seq_len
         self.tok_emb = nn.Embedding(vocab_size, d_model)
         self.pos_emb = nn.Embedding(max_seq_len, d_model)
@@ -98,6 +102,13 @@ class ByteGPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(self.ln_out(x))
+
+
+def _check_sizes(**sizes: int) -> None:
+    """Each size an int >= 1: n_layer=0 would silently train no transformer block at all."""
+    for name, value in sizes.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"model.{name}={value!r} must be an int >= 1")
 
 
 def _init_weights(module: nn.Module) -> None:

@@ -24,11 +24,10 @@ import hydra
 import lightning as L
 from hydra.core.hydra_config import HydraConfig
 from lightning.pytorch.loggers import CSVLogger
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from lightning_optim.conf_dir import conf_dir, deprecated_choices
-from lightning_optim.config_check import ConfigError, check_config
-from lightning_optim.data import ByteDataModule
+from lightning_optim.config_check import ConfigError, check_config, checked_datamodule, resolved, trainer_error
 from lightning_optim.model import LanguageModel
 from lightning_optim.report import format_table, plot_losses, write_summary
 
@@ -99,8 +98,8 @@ def build_model(cfg: dict[str, Any]) -> LanguageModel:
 def run(config: DictConfig, output_dir: Path) -> dict[str, Any]:
     """Validate, train, validate again if needed; on rank 0 write the outputs. Returns the summary."""
     # Plain containers from here on; a missing mandatory value ("???") fails now, naming its key.
-    cfg = OmegaConf.to_container(config, resolve=True, throw_on_missing=True)
-    check_config(cfg)  # a bad value is reported now, with its key, before anything trains
+    cfg = resolved(config)
+    check_config(cfg)  # every key of every group, with its key, before anything is built or any rank starts
     # The data is one in-memory tensor; DataLoader workers would only compete for the CPU.
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
     # Hydra's run directory always holds .hydra/ already; CSVLogger only rewrites its own files.
@@ -108,12 +107,18 @@ def run(config: DictConfig, output_dir: Path) -> dict[str, Any]:
     # Lightning 2.6 calls a torch.utils._pytree API that torch 2.13 deprecates; nothing to act on.
     warnings.filterwarnings("ignore", r".*isinstance\(treespec, LeafSpec\).*")
     start = time.perf_counter()
-    output_dir.mkdir(parents=True, exist_ok=True)
+    datamodule = checked_datamodule(cfg)  # the corpus is read now: a bad data.path stops rank 0 alone
     L.seed_everything(cfg["seed"], workers=True)
-    datamodule = ByteDataModule(**cfg["data"])
+    output_dir.mkdir(parents=True, exist_ok=True)
     model = build_model(cfg)
     meter = ThroughputMeter()
-    trainer = build_trainer(cfg, output_dir, callbacks=[meter])
+    try:
+        trainer = build_trainer(cfg, output_dir, callbacks=[meter])
+    except Exception as exc:  # a +trainer.<arg> value Lightning refuses that no rule of check_config knows
+        error = trainer_error(cfg, exc)
+        if error is None:
+            raise
+        raise error from None
 
     initial_val = trainer.validate(model, datamodule=datamodule, verbose=False)[0]["val_loss"]
     trainer.fit(model, datamodule=datamodule)
@@ -153,8 +158,8 @@ def main(cfg: DictConfig) -> float:
         warnings.warn(message, FutureWarning, stacklevel=1)
     try:
         return run(cfg, Path(HydraConfig.get().runtime.output_dir))["final_val_loss"]
-    except ConfigError as exc:  # a few lines, not a traceback
-        print(f"lightning-optim: bad config value: {exc}", file=sys.stderr, flush=True)
+    except ConfigError as exc:  # one line, not a traceback
+        print(f"lightning-optim: bad config value: {' '.join(str(exc).split())}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
 
 
