@@ -38,7 +38,7 @@ from typing import Any
 import transformers
 
 from lightning_optim.catalogue import OPTIMIZERS, optimizer_class
-from lightning_optim.config_check import culprit, parameter_rules
+from lightning_optim.config_rules import culprit, parameter_rules
 
 __all__ = ["TrainingArguments", "Trainer", "optimizer_cls_and_kwargs", "parse_optim_args", "OPTIM_NAMES", "register",
            "unregister"]

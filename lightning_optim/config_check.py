@@ -19,12 +19,9 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
-import math
-import operator
 import re
-import types
 import typing
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,10 +30,11 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
+from lightning_optim.config_rules import (BOOL, NULL, SECTION, TEXT, Rule, culprit, integer, is_int, named_key, number,
+                                          one_of, parameter_rules, refused)
 from lightning_optim.onebit import OnebitOptimizer
 
-__all__ = ["ConfigError", "Rule", "SCHEMA", "check_config", "checked_datamodule", "culprit", "key_rules",
-           "parameter_rules", "resolved", "trainer_error"]
+__all__ = ["ConfigError", "SCHEMA", "check_config", "checked_datamodule", "key_rules", "resolved", "trainer_error"]
 
 GROUPS = ("optimizer", "strategy", "precision", "model", "data", "trainer")
 _EMPTY = inspect.Parameter.empty
@@ -46,70 +44,10 @@ class ConfigError(ValueError):
     """A config value is wrong; the message starts with its Hydra key."""
 
 
-# ----------------------------------------------------------------------------------------------- rules
-@dataclass(frozen=True)
-class Rule:
-    """What one key takes: ``test(value)`` says yes or no; ``says`` is the valid range in words."""
-
-    test: Callable[[Any], bool]
-    says: str
-
-    def __or__(self, other: Rule) -> Rule:
-        return Rule(lambda v: self.test(v) or other.test(v), f"{self.says} or {other.says}")
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)  # YAML's true is no 1 here
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _within(value: float, low: float | None, high: float | None, open_low: bool, open_high: bool) -> bool:
-    above = low is None or value > low or (value == low and not open_low)
-    below = high is None or value < high or (value == high and not open_high)
-    return above and below
-
-
-def _bounds(low: float | None, high: float | None, open_low: bool = False, open_high: bool = False) -> str:
-    if low is not None and high is not None:
-        return f" in {'(' if open_low else '['}{low}, {high}{')' if open_high else ']'}"
-    if low is not None:
-        return f" {'>' if open_low else '>='} {low}"
-    return "" if high is None else f" {'<' if open_high else '<='} {high}"
-
-
-def integer(low: int | None = None, high: int | None = None) -> Rule:
-    return Rule(lambda v: _is_int(v) and _within(v, low, high, False, False), "an int" + _bounds(low, high))
-
-
-def number(low: float | None = None, high: float | None = None, *, open_low: bool = False,
-           open_high: bool = False) -> Rule:
-    """A finite int or float in the range: NaN and inf never are."""
-    return Rule(lambda v: _is_number(v) and math.isfinite(v) and _within(v, low, high, open_low, open_high),
-                "a number" + _bounds(low, high, open_low, open_high))
-
-
-def one_of(*choices: Any) -> Rule:
-    # same type too: YAML's true must not pass for a Literal[1], nor 1 for True
-    return Rule(lambda v: any(v == c and type(v) is type(c) for c in choices),
-                "one of " + ", ".join(map(repr, choices)))
-
-
-def refused(says: str) -> Rule:
-    return Rule(lambda v: False, says)
-
-
-ANYTHING = Rule(lambda v: True, "anything")
-NULL = Rule(lambda v: v is None, "null")
-BOOL = Rule(lambda v: isinstance(v, bool), "true or false")
-TEXT = Rule(lambda v: isinstance(v, str) and v != "", "a non-empty string")
-SECTION = Rule(lambda v: isinstance(v, dict), "a mapping")
 _SEED = integer(0, 2**32 - 1)  # seed_everything's (numpy's) range
 _DURATION = Rule(lambda v: isinstance(v, str) and re.fullmatch(r"\d+:\d\d:\d\d:\d\d", v) is not None,
                  "a 'DD:HH:MM:SS' duration")
-_DEVICE_LIST = Rule(lambda v: isinstance(v, list) and bool(v) and all(_is_int(i) and i >= 0 for i in v), "")
+_DEVICE_LIST = Rule(lambda v: isinstance(v, list) and bool(v) and all(is_int(i) and i >= 0 for i in v), "")
 _DEVICE_TEXT = Rule(lambda v: isinstance(v, str) and re.fullmatch(r"\d+(,\d+)*,?", v.replace(" ", "")) is not None, "")
 
 
@@ -161,99 +99,6 @@ _REQUIRED_SECTIONS = ("", "scheduler", "model", "data")
 _SECTIONS = ("scheduler", *GROUPS)  # keys holding a mapping of their own keys
 _HYDRA_RULES = {"_target_": TEXT, "_partial_": BOOL, "_recursive_": BOOL,
                 "_convert_": one_of("none", "partial", "object", "all")}
-
-
-# ------------------------------------------------------------------------ rules from a constructor
-def annotation_rule(annotation: Any, default: Any = _EMPTY) -> Rule | None:
-    """The values a config can give a parameter so annotated; None where it can give none (a class, a
-    callable). No annotation: the default's type."""
-    if annotation is _EMPTY:
-        kind = type(default)
-        return annotation_rule(kind) if kind in (bool, int, float, str) else ANYTHING
-    if annotation in (Any, object):
-        return ANYTHING
-    scalars = {bool: BOOL, int: Rule(_is_int, "an int"), float: Rule(_is_number, "a number"),
-               str: Rule(lambda v: isinstance(v, str), "a string"), type(None): NULL}
-    if annotation in scalars:
-        return scalars[annotation]
-    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
-    if origin in (typing.Union, types.UnionType):
-        members = [rule for rule in map(annotation_rule, args) if rule is not None]
-        return functools.reduce(operator.or_, members) if members else None
-    if origin is typing.Literal:
-        return one_of(*args)
-    if origin is tuple and args and args[-1] is not Ellipsis:
-        return _sequence([annotation_rule(a) for a in args])
-    if origin in (list, tuple, Sequence, Iterable):
-        inner = annotation_rule(args[0]) if args else ANYTHING
-        return None if inner is None else Rule(lambda v: isinstance(v, (list, tuple)) and all(map(inner.test, v)),
-                                               f"a list (each {inner.says})")
-    if origin in (dict, Mapping):
-        inner = annotation_rule(args[1]) if len(args) == 2 else ANYTHING
-        return None if inner is None else Rule(lambda v: isinstance(v, dict) and all(map(inner.test, v.values())),
-                                               f"a mapping (each value {inner.says})")
-    return None
-
-
-def _sequence(items: list[Rule | None]) -> Rule | None:
-    if any(rule is None for rule in items):
-        return None
-    says = {rule.says for rule in items}
-    each = f"each {items[0].says}" if len(says) == 1 else ", ".join(rule.says for rule in items)
-    return Rule(lambda v: isinstance(v, (list, tuple)) and len(v) == len(items)
-                and all(rule.test(x) for rule, x in zip(items, v)), f"a list of {len(items)} values ({each})")
-
-
-def _hints(function: Callable[..., Any]) -> dict[str, Any]:
-    try:
-        return typing.get_type_hints(function)
-    except Exception:  # noqa: BLE001 - one unresolvable name (a TYPE_CHECKING import) must not hide the rest
-        hints = {}
-        for name, param in inspect.signature(function).parameters.items():
-            text = param.annotation
-            try:  # the class's own annotation text, as get_type_hints would evaluate it
-                hints[name] = eval(text, function.__globals__) if isinstance(text, str) else text  # noqa: S307
-            except Exception:  # noqa: BLE001
-                hints[name] = Any
-        return hints
-
-
-def _init_chain(target: Callable[..., Any]) -> list[Callable[..., Any]]:
-    """The functions a keyword given to ``target`` may reach: a class's ``__init__`` along the MRO while each
-    passes ``**kwargs`` on (Lightning's DDPStrategy passes its own to torch's DistributedDataParallel)."""
-    from lightning.pytorch.strategies import DDPStrategy
-
-    if not inspect.isclass(target):
-        return [target]  # a factory function
-    chain = []
-    for owner in target.__mro__:
-        if owner is object or "__init__" not in vars(owner):
-            continue
-        chain.append(owner.__init__)
-        if owner is DDPStrategy:
-            chain.append(torch.nn.parallel.DistributedDataParallel.__init__)
-            break
-        if not any(p.kind is p.VAR_KEYWORD for p in inspect.signature(owner.__init__).parameters.values()):
-            break
-    return chain
-
-
-_SET_BY_LIGHTNING = {"module", "device_ids", "output_device", "process_group", "device_mesh"}  # DDP's
-
-
-@functools.cache
-def parameter_rules(target: Callable[..., Any]) -> dict[str, Rule]:
-    """Every keyword ``target(...)`` takes -> the values a config may give it (annotation, else the default's type)."""
-    rules: dict[str, Rule] = {}
-    for function in _init_chain(target):
-        hints = _hints(function)
-        params = list(inspect.signature(function).parameters.items())
-        for name, param in params[1:] if inspect.isclass(target) else params:  # [0]: self
-            if param.kind in (param.VAR_KEYWORD, param.VAR_POSITIONAL) or name in _SET_BY_LIGHTNING:
-                continue
-            rule = annotation_rule(hints.get(name, _EMPTY), param.default)
-            rules.setdefault(name, rule or refused("not settable from a config (it takes an object)"))
-    return rules
 
 
 def _required_parameters(cls: type, partial: bool) -> list[str]:
@@ -361,28 +206,6 @@ def _leaves(cfg: dict[str, Any]) -> Iterable[tuple[str, Any]]:
 
 
 # ------------------------------------------------------------------------------ built by the classes
-def named_key(keys: Iterable[str], text: str) -> str | None:
-    """The key of ``keys`` that ``text`` names first (as a whole word), if any."""
-    found = [(m.start(), k) for k in keys for m in [re.search(rf"(?<![\w.]){re.escape(k)}(?!\w)", text)] if m]
-    return min(found)[1] if found else None
-
-
-def culprit(options: dict[str, Any], build: Callable[[dict[str, Any]], Any], exc: Exception) -> str | None:
-    """The key of ``options`` that ``exc`` (raised by ``build(options)``) is about: named in the message,
-    else the one whose removal (back to the default) makes ``build`` succeed; else None."""
-    keys = [k for k in options if not k.startswith("_")]
-    key = named_key(keys, str(exc))
-    if key is not None:
-        return key
-    for key in keys:
-        try:
-            build({k: v for k, v in options.items() if k != key})
-        except Exception:  # noqa: BLE001 - still failing: not this key
-            continue
-        return key
-    return None
-
-
 def _check(group: str, options: dict[str, Any], build: Callable[[dict[str, Any]], Any]) -> Any:
     try:
         return build(options)
@@ -453,13 +276,13 @@ def _devices_exist(cfg: dict[str, Any], built: _Built) -> None:
         return
     if name == "cpu":
         processes = int(devices) if isinstance(devices, str) and devices.isdigit() else devices
-        if not (_is_int(processes) and processes >= 1):
+        if not (is_int(processes) and processes >= 1):
             raise ConfigError(f"trainer.devices: on CPU must be a number of processes >= 1 or 'auto', got {devices!r}")
         return
     count = accelerator.auto_device_count()
     if isinstance(devices, str):
         devices = [int(i) for i in devices.replace(" ", "").split(",") if i]
-    if (_is_int(devices) and devices > count) or (isinstance(devices, list) and max(devices) >= count):
+    if (is_int(devices) and devices > count) or (isinstance(devices, list) and max(devices) >= count):
         raise ConfigError(f"trainer.devices: {devices!r} asks for more than the {count} {name} device(s) here")
 
 
@@ -579,13 +402,13 @@ def _interval_fits_an_epoch(cfg: dict[str, Any], windows: int) -> None:
     validation counts steps across epochs: check_val_every_n_epoch null)."""
     trainer = cfg["trainer"]
     interval, limit = trainer.get("val_check_interval"), trainer.get("limit_train_batches")
-    if not _is_int(interval) or trainer.get("check_val_every_n_epoch", 1) is None:
+    if not is_int(interval) or trainer.get("check_val_every_n_epoch", 1) is None:
         return
     devices = trainer.get("devices")
-    world = (devices if _is_int(devices) and devices > 0 else 1) * trainer.get("num_nodes", 1)
+    world = (devices if is_int(devices) and devices > 0 else 1) * trainer.get("num_nodes", 1)
     batches = -(-windows // world) // cfg["data"]["batch_size"]  # DistributedSampler pads, the loader drops
     if limit is not None:
-        batches = min(batches, limit) if _is_int(limit) else int(batches * limit)
+        batches = min(batches, limit) if is_int(limit) else int(batches * limit)
     if interval > batches:
         raise ConfigError(f"trainer.val_check_interval: {interval} is more than the {batches} training batches of an "
                           "epoch; use a smaller value or trainer.check_val_every_n_epoch=null")

@@ -15,7 +15,7 @@ transformers = pytest.importorskip("transformers")
 import accel_plugins.hf as hf  # noqa: E402
 from accel_plugins.hf import OPTIM_NAMES, TrainingArguments, parse_optim_args  # noqa: E402
 from lightning_optim.catalogue import OPTIMIZERS  # noqa: E402
-from lightning_optim.config_check import parameter_rules  # noqa: E402
+from lightning_optim.config_rules import parameter_rules  # noqa: E402
 
 HF_NAMES = frozenset(o.value for o in transformers.training_args.OptimizerNames)
 OURS = sorted(name for name in OPTIMIZERS if name not in HF_NAMES)  # what register() adds to the stock classes
