@@ -21,6 +21,7 @@ from torch.optim.optimizer import required
 
 from lightning_optim.comm.agreement import agree
 from lightning_optim.comm.dense import world_size as group_world_size
+from lightning_optim.distributed.compressed_checks import check_distinct_params
 from lightning_optim.optim.validation import check_int
 
 __all__ = ["ARGUMENTS", "AVERAGES", "SETUP_FIELDS", "bits_float", "check_denom", "check_module", "check_required_lr",
@@ -68,6 +69,7 @@ def model_params(model: object, optimizer: object) -> list[Tensor]:
                         f"{type(optimizer).__name__}")
     owned = {id(p) for p in model.parameters()}
     params = [p for group in optimizer.param_groups for p in group["params"]]
+    check_distinct_params(params)  # torch only warns within a group: the aggregate would step it twice
     foreign = sum(id(p) not in owned for p in params)
     if foreign:
         raise ValueError(f"optimizer must hold only params of the model: {foreign} of its {len(params)} params "

@@ -64,6 +64,7 @@ from lightning_optim.distributed.agreement import (
     model_params,
     show_setup,
 )
+from lightning_optim.distributed.loading import check_local_state_dict
 from lightning_optim.optim.adam import Adam
 from lightning_optim.optim.sgd import SGD
 from lightning_optim.optim.validation import check_flag, check_positive
@@ -161,6 +162,10 @@ class GenericCentralizedOptimizer(torch.optim.Optimizer):
         return self.optimizer.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """The local optimizer's ``load_state_dict``, after the checks torch's own skips (a foreign local
+        optimizer: state dtypes and shapes, group hyper-parameters; see ``loading.py``): nothing changes
+        when it refuses."""
+        check_local_state_dict(self.optimizer, state_dict)
         self.optimizer.load_state_dict(state_dict)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:

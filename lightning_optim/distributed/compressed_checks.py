@@ -20,7 +20,8 @@ from lightning_optim.comm.agreement import fingerprint, layout_signature
 from lightning_optim.comm.dense import world_size as group_world_size
 from lightning_optim.optim.validation import check_int
 
-__all__ = ["check_world_size", "trainable", "grads_or_zeros", "layout_fields"]
+__all__ = ["check_distinct_params", "check_float_params", "check_world_size", "trainable", "grads_or_zeros",
+           "layout_fields"]
 
 
 def check_world_size(world_size: object, group: Any) -> int:
@@ -32,6 +33,26 @@ def check_world_size(world_size: object, group: Any) -> int:
         where = f"the process group has {actual} ranks" if initialized else "torch.distributed is not initialized"
         raise ValueError(f"world_size={world_size} must equal the number of ranks of the process group, {actual}: {where}")
     return int(world_size)
+
+
+def check_distinct_params(params: Sequence[Tensor], taken: Sequence[Tensor] = ()) -> None:
+    """``params`` must not repeat a tensor nor hold one of ``taken`` (the other groups'): torch only warns
+    about a repeat within a group, and a repeated param would be stepped, and sent, twice."""
+    seen = {id(p) for p in taken}
+    for i, p in enumerate(params):
+        if id(p) in seen:
+            raise ValueError(f"params: param {i} of the group (shape {tuple(p.shape)}) appears more than once, in "
+                             "this group or in another param group; each param must appear once")
+        seen.add(id(p))
+
+
+def check_float_params(params: Sequence[Tensor]) -> None:
+    """Only real floating-point params can be optimized (an int or complex one would break every step)."""
+    for i, p in enumerate(params):
+        if not isinstance(p, Tensor):
+            raise TypeError(f"params: param {i} must be a torch.Tensor, got {type(p).__name__}")
+        if not p.is_floating_point():
+            raise TypeError(f"params: only real floating-point parameters can be optimized, param {i} is {p.dtype}")
 
 
 def trainable(param_groups: Sequence[Mapping[str, Any]]) -> list[Tensor]:

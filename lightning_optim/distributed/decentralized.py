@@ -59,7 +59,9 @@ from torch.optim.optimizer import required
 from lightning_optim.comm.agreement import fingerprint, layout_signature, share_rows
 from lightning_optim.comm.gossip import Topology, agree_topology, gossip_average
 from lightning_optim.optim.sgd import SGD
-from lightning_optim.optim.validation import check_flag, check_non_negative, check_unit_interval
+from lightning_optim.optim.validation import check_flag, check_non_negative, check_unit_interval, plain_numbers
+
+from .compressed_checks import check_distinct_params
 
 __all__ = ["DecentralizedSGD"]
 
@@ -149,6 +151,24 @@ class DecentralizedSGD(SGD):
         self.use_cuda = use_cuda
         self.by_layer = by_layer
         self._gossip_params = params
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Only the constructor adds params (the model's, gossiped with the neighbours). Later groups are
+        checked like the constructor's arguments (named errors for bad values) and then refused: their params
+        would be stepped but never averaged, and the ranks would drift apart without an error."""
+        if getattr(self, "_gossip_params", None) is None:  # torch's __init__ adding the model's params
+            super().add_param_group(param_group)
+            return
+        if not isinstance(param_group, dict) or "params" not in param_group:
+            raise TypeError("param_group must be a dict with 'params'")
+        params = param_group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        group = {k: plain_numbers(v) for k, v in param_group.items() if k != "params"}
+        self._validate_group({**self.defaults, **group, "params": params})
+        check_distinct_params(params, self._gossip_params)
+        raise ValueError("params: DecentralizedSGD steps and gossips the model's params, fixed at construction; "
+                         "params added later would never be averaged with the neighbours (build the optimizer over "
+                         "a model that holds them)")
 
     def _accumulation_blocker(self) -> str | None:
         return "DecentralizedSGD averages the weights with its neighbours after every step"

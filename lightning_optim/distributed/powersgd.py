@@ -49,10 +49,25 @@ from torch.optim.optimizer import required
 from lightning_optim.comm.agreement import agree
 from lightning_optim.comm.compressors import PowerSGDCompressor
 from lightning_optim.comm.timeouts import check_process_group
-from lightning_optim.optim.validation import check_flag, check_non_negative, check_unit_interval
+from lightning_optim.optim.state_dicts import check_state_tensor
+from lightning_optim.optim.validation import (
+    check_flag,
+    check_non_negative,
+    check_optional_flag,
+    check_unit_interval,
+    plain_numbers,
+)
 
 from .communicating import CommunicatingOptimizer
-from .compressed_checks import check_world_size, grads_or_zeros, layout_fields, trainable
+from .compressed_checks import (
+    check_distinct_params,
+    check_float_params,
+    check_world_size,
+    grads_or_zeros,
+    layout_fields,
+    trainable,
+)
+from .loading import check_param_states, saved_groups
 
 __all__ = ["PowerSGD"]
 
@@ -75,6 +90,23 @@ def _params_of(model: object) -> list:
         raise TypeError("model must be an nn.Module or an iterable of params or param groups, "
                         f"got {type(model).__name__}")
     return list(model)
+
+
+def _check_sgd(lr: object, momentum: object, weight_decay: object, dampening: object, nesterov: object) -> None:
+    """The SGD hyper-parameters, checked alike by the constructor, ``add_param_group`` and loading."""
+    check_non_negative("lr", lr)
+    check_non_negative("momentum", momentum)
+    check_non_negative("weight_decay", weight_decay)
+    check_unit_interval("dampening", dampening, closed_right=True)
+    check_flag("nesterov", nesterov)
+    if nesterov and (momentum <= 0 or dampening != 0):
+        raise ValueError(f"nesterov=True needs momentum > 0 and dampening 0, got momentum={momentum}, "
+                         f"dampening={dampening}")
+
+
+def _group_params(params: object) -> list:
+    # torch's forms: one tensor or an ordered collection (a set is refused by torch's add_param_group)
+    return [params] if isinstance(params, Tensor) else params if isinstance(params, set) else list(params)
 
 
 class PowerSGD(CommunicatingOptimizer, torch.optim.SGD):
@@ -107,14 +139,7 @@ class PowerSGD(CommunicatingOptimizer, torch.optim.SGD):
             params = _params_of(model)
             if lr is required:
                 raise TypeError("lr: required (a learning rate >= 0)")
-            check_non_negative("lr", lr)
-            check_non_negative("momentum", momentum)
-            check_non_negative("weight_decay", weight_decay)
-            check_unit_interval("dampening", dampening, closed_right=True)
-            check_flag("nesterov", nesterov)
-            if nesterov and (momentum <= 0 or dampening != 0):
-                raise ValueError(f"nesterov=True needs momentum > 0 and dampening 0, got momentum={momentum}, "
-                                 f"dampening={dampening}")
+            _check_sgd(lr, momentum, weight_decay, dampening, nesterov)
             self.average_world = check_flag("average_world", average_world)
             self.use_cuda = check_flag("use_cuda", use_cuda)
             self.by_layer = check_flag("by_layer", by_layer)
@@ -126,6 +151,28 @@ class PowerSGD(CommunicatingOptimizer, torch.optim.SGD):
             error = exc
         agree(type(self).__name__, _SETTINGS + _LAYOUT, None if error else self._fields(), group=process_group,
               like=[] if error else trainable(self.param_groups), error=error, arguments=ARGUMENTS)
+
+    # ------------------------------------------------------------------ param groups
+    def _validate_group(self, group: dict[str, Any]) -> None:
+        """A group (defaults merged in) as the constructor checks it, plus torch's SGD flags."""
+        check_float_params(_group_params(group["params"]))
+        _check_sgd(group["lr"], group["momentum"], group["weight_decay"], group["dampening"], group["nesterov"])
+        for flag in ("maximize", "differentiable"):
+            check_flag(flag, group.get(flag, False))
+        for flag in ("foreach", "fused"):
+            check_optional_flag(flag, group.get(flag))
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """torch's, after the constructor's checks (a negative lr would ascend) and with a repeated param
+        refused (torch only warns within a group): nothing is added when they fail."""
+        if not isinstance(param_group, dict):
+            raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
+        group = {k: v if k == "params" else plain_numbers(v) for k, v in param_group.items()}
+        params = _group_params(group["params"])
+        if not isinstance(params, set):  # torch refuses sets with its own message
+            self._validate_group({**self.defaults, **group, "params": params})
+            check_distinct_params(params, [p for g in self.param_groups for p in g["params"]])
+        super().add_param_group({**group, "params": params})
 
     def _fields(self) -> dict[str, int]:
         c = self.compressor
@@ -140,14 +187,34 @@ class PowerSGD(CommunicatingOptimizer, torch.optim.SGD):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        params = trainable(self.param_groups)
+        error = None
+        try:  # before any residual, generator or buffer moves; a refusal on one rank stops every rank
+            self._check_step(params)
+        except (TypeError, ValueError) as exc:
+            error = exc
         if self.world_size > 1:
-            self._aggregate()
+            agree(type(self).__name__, _LAYOUT, None if error else layout_fields(params), group=self.process_group,
+                  like=params, error=error, arguments=ARGUMENTS)
+            self._aggregate(params)
+        elif error is not None:
+            raise error
         super().step()
         return loss
 
-    def _aggregate(self) -> None:
-        params = trainable(self.param_groups)
-        agree(type(self).__name__, _LAYOUT, layout_fields(params), group=self.process_group, like=params)
+    def _check_step(self, params: list[Tensor]) -> None:
+        """The groups (edited since?), the gradients and the states a step is about to use."""
+        for group in self.param_groups:
+            self._validate_group(group)
+        for i, p in enumerate(params):
+            if p.grad is not None and p.grad.is_sparse:  # torch itself keeps grads shaped and typed like p
+                raise ValueError(f"grad: param {i} has a sparse gradient; PowerSGD compresses dense gradients")
+            for key in ("momentum_buffer", "memory"):
+                value = self.state.get(p, {}).get(key)
+                if value is not None:
+                    check_state_tensor(f"state of param {i}", key, value, [tuple(p.shape)], tuple(p.shape))
+
+    def _aggregate(self, params: list[Tensor]) -> None:
         grads = grads_or_zeros(params)
         memories = []
         for p in params:
@@ -176,12 +243,22 @@ class PowerSGD(CommunicatingOptimizer, torch.optim.SGD):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's SGD state (momentum, memory per param) and, when present, the compressor's.
 
-        The compressor's part is checked first, so a refused dict changes nothing.
+        Everything is checked first (the groups as the constructor checks them, each state a real
+        floating-point tensor shaped like its param, the compressor's part), so a refused dict changes nothing.
         """
+        for gi, group, old in saved_groups(self, state_dict):  # torch's SGD would take any value
+            try:
+                self._validate_group({**self.defaults, **old, "params": group["params"]})
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"state_dict: param group {gi}: {exc}") from None
+        check_param_states(self, state_dict, lambda p, key, value: [tuple(p.shape)], keys={"momentum_buffer", "memory"})
         saved = state_dict.get(STATE_KEY)
         if saved is not None:
             check = PowerSGDCompressor(self.compressor.rank, self.compressor.reuse_query, seed=self.compressor.seed)
-            check.load_state_dict(saved)
+            try:
+                check.load_state_dict(saved)
+            except (TypeError, ValueError, RuntimeError) as exc:  # RuntimeError: torch refused the generator state
+                raise ValueError(f"state_dict: {STATE_KEY} {exc}") from None
         super().load_state_dict({k: v for k, v in state_dict.items() if k != STATE_KEY})
         if saved is not None:
             self.compressor.load_state_dict(saved)

@@ -49,10 +49,11 @@ from lightning_optim.comm.compressors import SparsePayload, gather_sparse
 from lightning_optim.comm.timeouts import check_process_group
 from lightning_optim.optim.base import Batch, ParamsT
 from lightning_optim.optim.sparsified_sgd import SparsifiedSGD
+from lightning_optim.optim.state_dicts import check_state_tensor
 from lightning_optim.optim.validation import check_flag
 
 from .communicating import CommunicatingOptimizer
-from .compressed_checks import check_world_size, grads_or_zeros, layout_fields, trainable
+from .compressed_checks import check_distinct_params, check_world_size, grads_or_zeros, layout_fields, trainable
 
 __all__ = ["CentralizedSparsifiedSGD"]
 
@@ -100,6 +101,16 @@ class CentralizedSparsifiedSGD(CommunicatingOptimizer, SparsifiedSGD):
               like=[] if error else trainable(self.param_groups), error=error, arguments=ARGUMENTS)
 
     # ------------------------------------------------------------------ checks
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """The base's checks (as the constructor's), and a repeated param refused (torch only warns within
+        a group; its sparse vector would be sent twice): nothing is added when they fail."""
+        if isinstance(param_group, dict) and "params" in param_group and not isinstance(param_group["params"], set):
+            params = param_group["params"]  # a set: torch refuses it with its own message
+            params = [params] if isinstance(params, Tensor) else list(params)  # a generator is read once
+            check_distinct_params(params, [p for group in self.param_groups for p in group["params"]])
+            param_group = {**param_group, "params": params}
+        super().add_param_group(param_group)
+
     def _check_group(self, group: dict[str, Any]) -> None:
         super()._check_group(group)
         k = group["sparse_grad_size"]
@@ -141,6 +152,11 @@ class CentralizedSparsifiedSGD(CommunicatingOptimizer, SparsifiedSGD):
         try:
             for group in self.param_groups:  # a group edited since construction
                 self._validate_group(group)
+            # a state set by hand: refused here, before any step count moves
+            for i, p in enumerate(trainable(self.param_groups)):
+                for key, value in self.state.get(p, {}).items():
+                    if isinstance(value, Tensor):
+                        check_state_tensor(f"state of param {i}", key, value, [tuple(p.shape)], tuple(p.shape))
         except (TypeError, ValueError) as exc:
             error = exc
         agree(type(self).__name__, _FIELDS, None if error else self._fields(), group=self.process_group,

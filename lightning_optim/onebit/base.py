@@ -121,6 +121,7 @@ class OnebitOptimizer(CommunicatingOptimizer, OnebitStateDictMixin, MomentumMask
     def _check_group(self, group: dict[str, Any]) -> None:
         check_betas(group["betas"])
         check_positive("eps", group["eps"])
+        check_non_negative("max_grad_norm", group.get("max_grad_norm", 0.0))  # a loaded group too
         for flag in ("bias_correction", "eps_inside_sqrt"):
             check_flag(flag, group[flag])
         params = group["params"]
@@ -159,6 +160,14 @@ class OnebitOptimizer(CommunicatingOptimizer, OnebitStateDictMixin, MomentumMask
 
     def _configured_compute_dtype(self, group: dict[str, Any], p: Tensor) -> torch.dtype:
         return torch.float32  # states, error buffers and communication are fp32 for every param dtype
+
+    def _state_template(self, group: dict[str, Any], p: Tensor) -> dict[str, Any]:
+        # the flat keys are param-shaped views of the flat buffers; the scalars come from _init_param_state
+        made: dict[str, Any] = {}
+        self._init_param_state(group, torch.empty_like(p, device="meta"), made)
+        for key in self._flat_keys + self._lazy_flat_keys:
+            made[key] = torch.empty_like(p, dtype=torch.float32, device="meta")
+        return made
 
     def _state_keys(self, group: dict[str, Any], p: Tensor) -> tuple[set[str], set[str]]:
         scalars: dict[str, Any] = {}

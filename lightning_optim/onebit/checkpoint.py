@@ -11,6 +11,7 @@ import warnings
 from typing import Any
 
 from lightning_optim.onebit.resume import plain_to_onebit
+from lightning_optim.optim.validation import check_int
 
 __all__ = ["OnebitStateDictMixin"]
 
@@ -30,9 +31,28 @@ class OnebitStateDictMixin:
     def _units_state(self) -> dict[str, Any] | None:
         return None
 
-    def _load_units_state(self, saved: dict[str, Any] | None) -> None:
+    def _check_units_state(self, saved: dict[str, Any] | None) -> None:
+        """Refuse a saved ``units`` entry this optimizer cannot take (called before anything is loaded)."""
         if saved is not None:
             raise ValueError(f"state_dict: holds per-bucket compression units, which {type(self).__name__} has not")
+
+    def _load_units_state(self, saved: dict[str, Any] | None) -> None:
+        self._check_units_state(saved)
+
+    def _check_schedule(self, schedule: object) -> None:
+        """The stage counters must be whole numbers >= 0 where this optimizer counts (a string or a float
+        there would fail or mis-stage every later step); unknown keys are named by the caller."""
+        if not isinstance(schedule, dict):
+            raise ValueError(f"state_dict: onebit schedule must be a dict, got {type(schedule).__name__}")
+        for key, value in schedule.items():
+            current = self._sched.get(key)
+            if isinstance(current, int) and not isinstance(current, bool):
+                try:
+                    check_int(key, value, 0)
+                except (TypeError, ValueError) as exc:
+                    raise ValueError(f"state_dict: onebit schedule {exc}") from None
+            elif isinstance(current, list) and not isinstance(value, (list, tuple)):
+                raise ValueError(f"state_dict: onebit schedule {key} must be a list, got {type(value).__name__}")
 
     def _warn_errors_reset(self, why: str) -> None:
         warnings.warn(
@@ -77,9 +97,17 @@ class OnebitStateDictMixin:
             raise ValueError(f"state_dict: its 'onebit' entry is a {type(onebit).__name__}, not a dict")
         if onebit.get("optimizer") != type(self).__name__:
             raise ValueError(f"state_dict: saved by {onebit.get('optimizer')}, cannot load into {type(self).__name__}")
+        # everything is checked before anything changes (torch's part first, then ours, would half-apply)
+        self._check_schedule(onebit.get("schedule"))
         schedule = {**self._schedule_keys_added_since(onebit["schedule"]), **onebit["schedule"]}
         if set(schedule) != set(self._sched):
             raise ValueError(f"state_dict: schedule keys {sorted(schedule)} differ from {sorted(self._sched)}")
+        errors = {key: onebit.get(key) for key in ("worker_error", "server_error", "world_size", "rank")}
+        try:
+            self.compressor.check_state(errors)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"state_dict: onebit {exc}") from None
+        self._check_units_state(onebit.get("units"))
         masks = [group.get("exp_avg_mask") for group in self.param_groups]
         groups = [{k: v for k, v in g.items() if k != "exp_avg_mask"} for g in state_dict["param_groups"]]
         super().load_state_dict({**state_dict, "param_groups": groups})
@@ -88,8 +116,7 @@ class OnebitStateDictMixin:
                 group["exp_avg_mask"] = mask
         self._layout, self._flats = None, {}
         self._sched = copy.deepcopy(schedule)
-        self.compressor.load_state_dict({key: onebit.get(key) for key in
-                                         ("worker_error", "server_error", "world_size", "rank")})
+        self.compressor.load_state_dict(errors)
         self._load_units_state(onebit.get("units"))
 
     # ------------------------------------------------------------------ per-rank parts

@@ -162,6 +162,25 @@ class CompressionUnitsMixin:
                 "worker": torch.cat([w for w, _ in pairs]), "server": torch.cat([s for _, s in pairs]),
                 "origin": tuple(self._world())}
 
+    def _check_units_state(self, saved: dict[str, Any] | None) -> None:
+        """A saved ``units`` entry: the units, their (worker, server) sizes and the two real floating-point
+        buffers they split (checked at load, before anything changes; used at the first step)."""
+        if saved is None:
+            return
+        if not isinstance(saved, dict) or not {"units", "sizes", "worker", "server", "origin"} <= set(saved):
+            raise ValueError("state_dict: onebit units must be a dict with units, sizes, worker, server and origin")
+        sizes = saved["sizes"]
+        if len(saved["units"]) != len(sizes) or not all(len(pair) == 2 for pair in sizes):
+            raise ValueError("state_dict: onebit units: one (worker, server) size pair per unit expected")
+        for index, key in enumerate(("worker", "server")):
+            buf = saved[key]
+            if not isinstance(buf, Tensor) or not buf.is_floating_point() or buf.dim() != 1:
+                raise ValueError(f"state_dict: onebit units {key} must be a 1-D real floating-point tensor, got "
+                                 f"{getattr(buf, 'dtype', type(buf).__name__)}")
+            if buf.numel() != sum(int(pair[index]) for pair in sizes):
+                raise ValueError(f"state_dict: onebit units {key} holds {buf.numel()} elements, its sizes "
+                                 f"{sum(int(pair[index]) for pair in sizes)}")
+
     def _load_units_state(self, saved: dict[str, Any] | None) -> None:
         cap = self._unit_cap
         self._init_units()

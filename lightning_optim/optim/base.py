@@ -406,12 +406,17 @@ class BaseOptimizer(BucketPlans, torch.optim.Optimizer):
     _implied_step: int | None = None
     _per_param_steps = True  # False: the step count lives elsewhere (the 1-bit optimizers' schedule)
 
-    def _state_keys(self, group: dict[str, Any], p: Tensor) -> tuple[set[str], set[str]]:
-        """The per-param state keys a loaded dict must hold for ``p`` and those it may hold (besides
-        ``step`` and ``kahan_comp``): what ``_init_state`` makes, run on a meta copy of ``p``."""
+    def _state_template(self, group: dict[str, Any], p: Tensor) -> dict[str, Any]:
+        """What ``_init_state`` makes for ``p``, run on a meta copy (no memory): a loaded state must hold
+        a tensor of the same shape where it holds a tensor, a whole number where it holds one."""
         made: dict[str, Any] = {}
         self._init_state(group, torch.empty_like(p, device="meta"), made, self._configured_compute_dtype(group, p))
-        return set(made), set()
+        return made
+
+    def _state_keys(self, group: dict[str, Any], p: Tensor) -> tuple[set[str], set[str]]:
+        """The per-param state keys a loaded dict must hold for ``p`` and those it may hold (besides
+        ``step`` and ``kahan_comp``): the keys of :meth:`_state_template`."""
+        return set(self._state_template(group, p)), set()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load ours or torch.optim's state dict of the same algorithm, atomically.

@@ -23,15 +23,18 @@ keys must be the ones this optimizer makes for that param with the loaded hyper-
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
+from lightning_optim.optim.validation import check_generator_state, check_optional_flag
+
 if TYPE_CHECKING:
     from lightning_optim.optim.base import BaseOptimizer
 
-__all__ = ["prepare_state_dict"]
+__all__ = ["check_state_tensor", "prepare_state_dict", "step_count"]
 
 _TORCH_ONLY_FLAGS = ("capturable", "differentiable", "fused")
 # defaults that belong to the optimizer, not to a group (BaseOptimizer keeps them out of the groups)
@@ -39,31 +42,71 @@ _OPTIMIZER_WIDE = ("gradient_release",)
 _ALWAYS_ALLOWED = {"step", "kahan_comp"}
 
 
-def _step_of(value: Any, where: str) -> int:
+def step_count(value: Any, where: str, key: str = "step") -> int:
+    """A loaded counter (``step``, Ranger's ``la_step``): a whole number >= 0, or a one-element tensor of one."""
     if isinstance(value, Tensor):
         if value.numel() != 1:
-            raise ValueError(f"state_dict: {where} step must be a number, got a tensor of shape {tuple(value.shape)}")
+            raise ValueError(f"state_dict: {where} {key} must be a number, got a tensor of shape {tuple(value.shape)}")
         value = value.item()
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value) or value < 0:
-        raise ValueError(f"state_dict: {where} step must be a whole number >= 0, got {value!r}")
+        raise ValueError(f"state_dict: {where} {key} must be a whole number >= 0, got {value!r}")
     return int(value)
 
 
+def check_state_tensor(where: str, key: str, value: object, shapes: Sequence[tuple[int, ...]],
+                       param_shape: tuple[int, ...]) -> Tensor:
+    """A loaded state tensor must be real floating-point (an int, bool or complex moment would make every
+    later step fail or round) and have one of ``shapes``. Raises ``ValueError`` naming ``key``."""
+    if not isinstance(value, Tensor):
+        raise ValueError(f"state_dict: {where} {key} must be a tensor, got {type(value).__name__}")
+    if not value.is_floating_point():
+        raise ValueError(f"state_dict: {where} {key} is a {value.dtype} tensor; optimizer states must be real "
+                         "floating-point (float16, bfloat16, float32 or float64)")
+    if tuple(value.shape) not in [tuple(s) for s in shapes]:
+        raise ValueError(f"state_dict: {where} {key} has shape {tuple(value.shape)}, the param {tuple(param_shape)}")
+    return value
 
 
 def _convert_tensor(opt: BaseOptimizer, group: dict[str, Any], p: Tensor, key: str, value: Tensor,
-                    where: str) -> Tensor | None:
+                    where: str, made: Any) -> Tensor | None:
+    # the shape this optimizer makes for the key (0-d scalars such as lamb_coeff), else 0-d or the param's
+    shapes = [tuple(made.shape)] if isinstance(made, Tensor) else [(), tuple(p.shape)]
+    check_state_tensor(where, key, value, [tuple(p.shape)] if key == "kahan_comp" else shapes, tuple(p.shape))
     if key == "kahan_comp":
-        if tuple(value.shape) != tuple(p.shape):
-            raise ValueError(f"state_dict: {where} kahan_comp has shape {tuple(value.shape)}, the param {tuple(p.shape)}")
         return None if p.dtype == torch.float32 else value.to(device=p.device, dtype=p.dtype, copy=True)
-    if value.dim() == 0 or not value.is_floating_point():
+    if value.dim() == 0:
         return value.to(device=p.device, copy=True)
-    if tuple(value.shape) != tuple(p.shape):
-        raise ValueError(f"state_dict: {where} {key} has shape {tuple(value.shape)}, the param {tuple(p.shape)}")
     if value.dtype in (torch.float32, p.dtype):
         return value.to(device=p.device, copy=True)
     return value.to(device=p.device, dtype=opt._configured_compute_dtype(group, p), copy=True)
+
+
+def _convert_entry(opt: BaseOptimizer, live: dict[str, Any], p: Tensor, entry: dict[str, Any],
+                   where: str) -> dict[str, Any]:
+    """One param's loaded state, checked key by key against what this optimizer makes for ``p``."""
+    template = opt._state_template(live, p)
+    converted: dict[str, Any] = {}
+    if "step" in entry:
+        converted["step"] = step_count(entry["step"], where)
+    elif opt._per_param_steps:
+        if opt._implied_step is None:
+            raise ValueError(f"state_dict: {where} has no step count, which {type(opt).__name__} needs")
+        converted["step"] = opt._implied_step
+    for key, value in entry.items():
+        if key == "step":
+            continue
+        made = template.get(key)
+        if isinstance(made, int) and not isinstance(made, bool):  # a counter (Ranger's la_step)
+            converted[key] = step_count(value, where, key)
+            continue
+        if isinstance(value, Tensor) or isinstance(made, Tensor):
+            value = _convert_tensor(opt, live, p, key, value, where, made)
+            if value is None:
+                continue
+        converted[key] = value
+    if p.dtype != torch.float32 and "kahan_comp" not in converted and opt._uses_kahan(live, p):
+        converted["kahan_comp"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    return converted
 
 
 def prepare_state_dict(opt: BaseOptimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
@@ -72,6 +115,11 @@ def prepare_state_dict(opt: BaseOptimizer, state_dict: dict[str, Any]) -> dict[s
     if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
         raise ValueError("state_dict: expected a dict with 'state' and 'param_groups'")
     saved_groups, saved_state = state_dict["param_groups"], state_dict["state"]
+    if state_dict.get("generator_state") is not None and isinstance(getattr(opt, "generator", None), torch.Generator):
+        try:  # SparsifiedSGD restores its generator after the rest: a bad one must stop the load here
+            check_generator_state("generator_state", state_dict["generator_state"])
+        except ValueError as exc:
+            raise ValueError(f"state_dict: {exc}") from None
     if len(saved_groups) != len(opt.param_groups):
         raise ValueError(f"state_dict: {len(saved_groups)} param groups saved, the optimizer has {len(opt.param_groups)}")
     groups, state = [], {}
@@ -84,6 +132,9 @@ def prepare_state_dict(opt: BaseOptimizer, state_dict: dict[str, Any]) -> dict[s
             if key not in _OPTIMIZER_WIDE:
                 merged.setdefault(key, default)
         try:
+            for flag in _TORCH_ONLY_FLAGS:  # dropped, but a non-flag there means a corrupted dict
+                if flag in saved:
+                    check_optional_flag(flag, saved[flag])
             merged.update(opt._validate_group({**merged, "params": group["params"]}))
         except (TypeError, ValueError) as exc:
             raise ValueError(f"state_dict: param group {gi}: {exc}") from None
@@ -102,22 +153,5 @@ def prepare_state_dict(opt: BaseOptimizer, state_dict: dict[str, Any]) -> dict[s
                     f"{sorted(expected | {'step'})} for it (missing: {sorted(missing)}, extra: {sorted(extra)}); "
                     "was it saved by another algorithm?"
                 )
-            converted: dict[str, Any] = {}
-            if "step" in entry:
-                converted["step"] = _step_of(entry["step"], where)
-            elif opt._per_param_steps:
-                if opt._implied_step is None:
-                    raise ValueError(f"state_dict: {where} has no step count, which {type(opt).__name__} needs")
-                converted["step"] = opt._implied_step
-            for key, value in entry.items():
-                if key == "step":
-                    continue
-                if isinstance(value, Tensor):
-                    value = _convert_tensor(opt, live, p, key, value, where)
-                    if value is None:
-                        continue
-                converted[key] = value
-            if p.dtype != torch.float32 and "kahan_comp" not in converted and opt._uses_kahan(live, p):
-                converted["kahan_comp"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state[pid] = converted
+            state[pid] = _convert_entry(opt, live, p, entry, where)
     return {"state": state, "param_groups": groups}

@@ -103,3 +103,16 @@ def check_optional_flag(name: str, value: object) -> bool | None:
     if value is None:
         return None
     return check_flag(name, value)
+
+
+def check_generator_state(name: str, saved: object) -> torch.Tensor:
+    """A saved ``torch.Generator`` state: a uint8 tensor that torch takes (tried on a scratch generator, since
+    torch refuses another size with a RuntimeError). Raises ``ValueError`` naming ``name``; changes nothing."""
+    if not isinstance(saved, torch.Tensor) or saved.dtype != torch.uint8:
+        raise ValueError(f"state: '{name}' must be a torch.Generator state (a uint8 tensor), got "
+                         f"{getattr(saved, 'dtype', type(saved).__name__)}")
+    try:
+        torch.Generator().set_state(saved.clone())
+    except RuntimeError as exc:
+        raise ValueError(f"state: '{name}' is not a torch.Generator state ({exc})") from None
+    return saved

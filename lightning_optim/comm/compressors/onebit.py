@@ -22,6 +22,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_optim.optim.validation import check_int
+
 from .. import pieces as passes
 from ..compressed import compressed_allreduce, compressed_bytes, error_buffer_sizes, make_error_buffers
 from ..dense import world_size
@@ -100,13 +102,28 @@ class OnebitCompressor(Compressor):
         return {"worker_error": self.worker_error, "server_error": self.server_error,
                 "world_size": self.origin[0] if self.origin else None, "rank": self.origin[1] if self.origin else None}
 
+    @staticmethod
+    def check_state(state: Mapping[str, Any]) -> None:
+        """Raise (naming the key) unless ``state`` is a loadable :meth:`state_dict`; changes nothing."""
+        if not isinstance(state, Mapping):
+            raise TypeError(f"state must be a mapping (from state_dict()), got {type(state).__name__}")
+        worker, server = state.get("worker_error"), state.get("server_error")
+        if worker is None and server is None:  # none yet, or dropped for another rank (without_error_buffers)
+            return
+        if not (isinstance(worker, Tensor) and isinstance(server, Tensor)):
+            raise TypeError("state: worker_error and server_error must be tensors, or both None")
+        for key, buf in (("worker_error", worker), ("server_error", server)):
+            if not buf.is_floating_point() or buf.dim() != 1:  # int/bool/complex residuals cannot be added back
+                raise ValueError(f"state: {key} must be a 1-D real floating-point tensor, got a {buf.dtype} tensor "
+                                 f"of shape {tuple(buf.shape)}")
+        for key in ("world_size", "rank"):
+            check_int(key, state.get(key), 1 if key == "world_size" else 0)
+
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        super().load_state_dict(state)
+        self.check_state(state)
         worker, server = state.get("worker_error"), state.get("server_error")
         if worker is None or server is None:
             self.forget()
             return
-        if not (isinstance(worker, Tensor) and isinstance(server, Tensor)):
-            raise TypeError("state: worker_error and server_error must be tensors or None")
         self.worker_error, self.server_error = worker.clone(), server.clone()
         self.origin = (int(state["world_size"]), int(state["rank"]))

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_optim.optim.validation import check_flag, check_int
+from lightning_optim.optim.validation import check_flag, check_generator_state, check_int
 
 from ..agreement import fingerprint
 from ..dense import world_size
@@ -199,10 +199,9 @@ class PowerSGDCompressor(Compressor):
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         super().load_state_dict(state)
         generator, queries = state.get("generator"), state.get("queries", {})
-        if not isinstance(generator, Tensor) or generator.dtype != torch.uint8:
-            raise ValueError("state: PowerSGDCompressor.state_dict() holds 'generator' (a uint8 tensor)")
-        if not isinstance(queries, Mapping) or not all(isinstance(q, Tensor) and q.dim() == 2
+        if not isinstance(queries, Mapping) or not all(isinstance(q, Tensor) and q.dim() == 2 and q.is_floating_point()
                                                        for q in queries.values()):
-            raise ValueError("state: 'queries' must map keys to 2-D tensors")
+            raise ValueError("state: 'queries' must map keys to 2-D real floating-point tensors")
+        check_generator_state("generator", generator)
         self.generator.set_state(generator.clone())
         self._queries = {k: q.clone() for k, q in queries.items()}

@@ -24,7 +24,7 @@ uint8 buffer, one ``all_gather`` per call. The aggregate adds every rank's value
 """
 from __future__ import annotations
 
-import math
+import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_optim.optim.validation import check_flag, check_int
+from lightning_optim.optim.validation import check_flag, check_generator_state, check_int, check_unit_interval
 
 from ..dense import world_size
 from ..stats import CommStats, ring_allreduce_bytes
@@ -152,10 +152,13 @@ def _check_k_ratio(k: object, ratio: object) -> None:
     if k is not None:
         check_int("k", k, 1)
         return
-    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not math.isfinite(ratio):
-        raise TypeError(f"ratio must be a finite number in (0, 1], got {ratio!r}")
-    if not 0 < ratio <= 1:
-        raise ValueError(f"ratio must be in (0, 1], got {ratio}")
+    # numpy scalars count as numbers (np.float32(0.01) from a config); a str or bool raises TypeError
+    try:
+        inside = check_unit_interval("ratio", ratio, closed_right=True) > 0  # 0 would keep nothing
+    except ValueError:
+        inside = False  # NaN, inf or out of range: one message with the whole range
+    if not inside:
+        raise ValueError(f"ratio must be in (0, 1], got {ratio!r}")
 
 
 class Sparsifier(LocalCompressor):
@@ -234,14 +237,12 @@ class _Seeded(Sparsifier):
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         super().load_state_dict(state)
-        saved = state.get("generator")
-        if not isinstance(saved, Tensor) or saved.dtype != torch.uint8:
-            raise ValueError(f"state: {type(self).__name__}.state_dict() holds 'generator' (a uint8 tensor)")
+        saved = check_generator_state("generator", state.get("generator"))
         draws = state.get("draws", 0)
-        if isinstance(draws, bool) or not isinstance(draws, int) or draws < 0:
+        if isinstance(draws, bool) or not isinstance(draws, numbers.Integral) or draws < 0:
             raise ValueError(f"state: 'draws' must be an int >= 0, got {draws!r}")
         self.generator.set_state(saved.clone())
-        self.draws = draws
+        self.draws = int(draws)
 
 
 class RandomK(_Seeded):
