@@ -18,7 +18,7 @@ from torch import Tensor
 
 from lightning_optim.comm.agreement import fingerprint, layout_signature
 from lightning_optim.comm.dense import world_size as group_world_size
-from lightning_optim.optim.validation import check_int
+from lightning_optim.optim.validation import check_distinct_params, check_int
 
 __all__ = ["check_distinct_params", "check_float_params", "check_world_size", "trainable", "grads_or_zeros",
            "layout_fields"]
@@ -33,17 +33,6 @@ def check_world_size(world_size: object, group: Any) -> int:
         where = f"the process group has {actual} ranks" if initialized else "torch.distributed is not initialized"
         raise ValueError(f"world_size={world_size} must equal the number of ranks of the process group, {actual}: {where}")
     return int(world_size)
-
-
-def check_distinct_params(params: Sequence[Tensor], taken: Sequence[Tensor] = ()) -> None:
-    """``params`` must not repeat a tensor nor hold one of ``taken`` (the other groups'): torch only warns
-    about a repeat within a group, and a repeated param would be stepped, and sent, twice."""
-    seen = {id(p) for p in taken}
-    for i, p in enumerate(params):
-        if id(p) in seen:
-            raise ValueError(f"params: param {i} of the group (shape {tuple(p.shape)}) appears more than once, in "
-                             "this group or in another param group; each param must appear once")
-        seen.add(id(p))
 
 
 def check_float_params(params: Sequence[Tensor]) -> None:

@@ -39,6 +39,7 @@ from lightning_optim.optim.flat_params import FLAT_GRAD_ATTR
 from lightning_optim.optim.plans import BucketPlans, check_grad
 from lightning_optim.optim.state_dicts import prepare_state_dict
 from lightning_optim.optim.validation import (
+    check_distinct_params,
     check_flag,
     check_lr,
     check_non_negative,
@@ -104,6 +105,7 @@ class BaseOptimizer(BucketPlans, torch.optim.Optimizer):
         ValueError/TypeError naming the argument; shared by ``add_param_group`` and loading."""
         params = merged["params"]
         params = [params] if isinstance(params, Tensor) else list(params)
+        check_distinct_params(params)  # torch only warns: a repeated param would be stepped twice per step()
         for p in params:
             if isinstance(p, Tensor) and p.is_complex():
                 raise TypeError(f"params: complex parameters are not supported (got {p.dtype})")
@@ -114,7 +116,7 @@ class BaseOptimizer(BucketPlans, torch.optim.Optimizer):
         for flag in ("decouple_lr", "maximize"):
             if flag in merged:
                 check_flag(flag, merged[flag])
-        for flag in ("kahan_sum", "foreach", "fp32_state"):
+        for flag in ("kahan_sum", "foreach", "fp32_state", "fused"):
             if flag in merged:
                 check_optional_flag(flag, merged[flag])
         added = {}
@@ -282,14 +284,24 @@ class BaseOptimizer(BucketPlans, torch.optim.Optimizer):
             for s in states:
                 s["step"] += 1
             step = states[0]["step"]
-            for a, b in bucket_slices(params, idx, dtype):
-                if b - a == len(params):  # the one bucket, whole: idx is 0..n-1, the lists as they are
-                    part_params, part_grads, part_states = params, grads, states
-                else:
-                    part = idx[a:b]
-                    part_params, part_grads, part_states = [params[i] for i in part], [grads[i] for i in part], states[a:b]
-                self._step_batch(group, part_params, part_grads, part_states, step, dtype, apply,
-                                 self._run_cache(states[a]), contiguous)
+            try:
+                for a, b in bucket_slices(params, idx, dtype):
+                    if b - a == len(params):  # the one bucket, whole: idx is 0..n-1, the lists as they are
+                        part_params, part_grads, part_states = params, grads, states
+                    else:
+                        part = idx[a:b]
+                        part_params, part_grads = [params[i] for i in part], [grads[i] for i in part]
+                        part_states = states[a:b]
+                    self._step_batch(group, part_params, part_grads, part_states, step, dtype, apply,
+                                     self._run_cache(states[a]), contiguous)
+            except Exception:
+                # a kernel refused (a state tensor replaced by hand after the plan was built): the bucket's
+                # count goes back, and the next step rebuilds the plan, which checks every state against
+                # its param before anything moves
+                for s in states:
+                    s["step"] -= 1
+                self.__dict__.get("_plans", {}).pop(id(group), None)
+                raise
 
     def _step_batch(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor],
                     states: list[dict[str, Any]], step: int, dtype: torch.dtype, apply: bool,

@@ -48,7 +48,7 @@ def check_state(p: Tensor, state: dict[str, Any], dtype: torch.dtype, index: int
             continue
         want = p.dtype if key == "kahan_comp" else dtype
         if tuple(value.shape) != tuple(p.shape) or value.device != p.device or (
-                value.is_floating_point() and value.dtype != want):
+                not value.is_floating_point() or value.dtype != want):  # int/bool/complex state: never stepped
             raise ValueError(
                 f"state: param {index} of its group has {key} of shape {tuple(value.shape)}, {value.dtype} on "
                 f"{value.device}; a step needs shape {tuple(p.shape)}, {want} on {p.device} (set by the "

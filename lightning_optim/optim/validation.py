@@ -116,3 +116,14 @@ def check_generator_state(name: str, saved: object) -> torch.Tensor:
     except RuntimeError as exc:
         raise ValueError(f"state: '{name}' is not a torch.Generator state ({exc})") from None
     return saved
+
+
+def check_distinct_params(params: Sequence[torch.Tensor], taken: Sequence[torch.Tensor] = ()) -> None:
+    """``params`` must not repeat a tensor nor hold one of ``taken`` (the other groups'): torch only warns
+    about a repeat within a group, and a repeated param would be stepped, and sent, twice."""
+    seen = {id(p) for p in taken}
+    for i, p in enumerate(params):
+        if id(p) in seen:
+            raise ValueError(f"params: param {i} of the group (shape {tuple(p.shape)}) appears more than once, in "
+                             "this group or in another param group; each param must appear once")
+        seen.add(id(p))

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from lightning_optim.catalogue import OPTIMIZERS, optimizer_class
 from tests.optim.specs import SPECS, Spec
 
 
@@ -62,3 +63,22 @@ def test_every_optimizer_steps_meta_tensors(spec):
         p.grad = torch.zeros(p.shape, device="meta")
     opt.step()
     assert all(p.is_meta and p.shape == s for p, s in zip(params, [(4, 3), (5,)]))
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_a_bare_tensor_or_a_repeated_param_is_refused(name):
+    # every optimizer of the catalogue, the 1-bit ones included; torch only warns about a param repeated
+    # within a group, and it would be stepped twice per step()
+    cls, kwargs = optimizer_class(name), {"lr": 1e-3}
+    p, q = torch.zeros(4, 3, requires_grad=True), torch.zeros(5, requires_grad=True)
+    with pytest.raises(TypeError, match="iterable"):
+        cls(p, **kwargs)  # one Parameter, not a list
+    with pytest.raises(ValueError, match="params: param 1 of the group .* appears more than once"):
+        cls([p, p], **kwargs)
+    with pytest.raises(ValueError, match="more than one parameter group"):
+        cls([{"params": [p]}, {"params": [q, p]}], **kwargs)
+    opt = cls([p], **kwargs)
+    for group in ({"params": [q, q]}, {"params": [p]}):
+        with pytest.raises(ValueError, match="more than once|more than one parameter group"):
+            opt.add_param_group(group)
+        assert len(opt.param_groups) == 1 and opt.param_groups[0]["params"] == [p]

@@ -217,10 +217,36 @@ def test_a_refused_step_changes_nothing(spec, foreach):
     # a state replaced by hand with a wrong shape / dtype (in the second group)
     state = opt.state[params[1]]
     key = next(k for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim())
-    for wrong in (torch.zeros(7), state[key].to(torch.float64)):
+    for wrong in (torch.zeros(7), state[key].to(torch.float64), *_not_floating(state[key])):
         opt.state[params[1]] = {**state, key: wrong}
         params[1].grad = torch.randn(SHAPES[1])
         with pytest.raises(ValueError, match=rf"state: param 0 of its group has {key}"):
             opt.step()
         opt.state[params[1]] = state
         assert _unchanged(before, opt, params)
+
+
+def _not_floating(t):
+    return t.to(torch.int64), t > 0, t.to(torch.complex64)
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=str)
+def test_a_state_tensor_swapped_in_place_is_refused_without_counting_a_step(spec):
+    # the same state dict object, one tensor replaced after the step plan was built: the kernel (or the
+    # torch fallback) refuses it; neither the step count nor a param moves, and the next step names the key
+    params = _params()
+    opt = _make(spec, params)
+    _steps(opt, params, 2)
+    before = _snapshot(opt, params)
+    state = opt.state[params[0]]
+    for key in [k for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim()]:
+        good = state[key]
+        for wrong in _not_floating(good):
+            state[key] = wrong
+            params[0].grad, params[1].grad = torch.randn(SHAPES[0]), torch.randn(SHAPES[1])
+            with pytest.raises((TypeError, ValueError, RuntimeError)):
+                opt.step()
+            with pytest.raises(ValueError, match=rf"state: param 0 of its group has {key}"):
+                opt.step()
+            state[key] = good
+            assert _unchanged(before, opt, params), (key, wrong.dtype)
