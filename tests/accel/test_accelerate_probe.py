@@ -39,10 +39,10 @@ from tests.precision.probe_specs import (  # noqa: E402
     V,
     Lazy,
     Target,
-    numpy_twin,
+    check_bad_values_refused,
+    check_numpy_twin_alike,
     observe,
     public_arguments,
-    with_value,
 )
 
 
@@ -226,14 +226,7 @@ def test_the_table_covers_every_public_argument():
 
 @pytest.mark.parametrize("target,name", ARGS, ids=[f"{t}:{n}" for t, n in ARGS])
 def test_a_bad_value_is_refused_by_name_and_changes_nothing(target: Target, name: str):
-    for bad, error in ALL_KINDS[target.args[name]]:
-        ctx = target.make()
-        kwargs = with_value(target, ctx, name, bad)
-        before = snapshot_here(ctx)
-        with pytest.raises(error) as info:
-            target.call(ctx, **kwargs)
-        assert name in str(info.value), (bad, str(info.value))
-        assert snapshot_here(ctx) == before, f"{target}({name}={bad!r}) changed something before refusing"
+    check_bad_values_refused(target, name, ALL_KINDS, snapshot_here)
 
 
 NUMERIC = [(t, n) for t, n in ARGS if t.args[n] in NUMPY_KINDS]
@@ -241,13 +234,7 @@ NUMERIC = [(t, n) for t, n in ARGS if t.args[n] in NUMPY_KINDS]
 
 @pytest.mark.parametrize("target,name", NUMERIC, ids=[f"{t}:{n}" for t, n in NUMERIC])
 def test_numpy_scalars_work_like_python_numbers(target: Target, name: str):
-    seen = []
-    for convert in (lambda v: v, numpy_twin):
-        ctx = target.make()
-        kwargs = dict(target.valid(ctx))
-        kwargs[name] = convert(kwargs[name])
-        seen.append((observe(target.call(ctx, **kwargs)), snapshot_here(ctx)))
-    assert seen[0] == seen[1]
+    check_numpy_twin_alike(target, name, snapshot_here)
 
 
 def test_an_optimizer_over_another_model_used_to_be_accepted_and_is_now_refused():

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 from torch import nn
 
@@ -281,3 +282,28 @@ def public_arguments(module, owner: str = "") -> set[tuple[str, str]]:
                                                                                     param.VAR_POSITIONAL):
                     out.add((owner + label, arg))
     return out
+
+
+def check_bad_values_refused(target: Target, name: str, kinds: dict[str, list], snap: Callable[[SimpleNamespace], Any]
+                             ) -> None:
+    """Each bad value of ``name``'s kind: the error type expected, a message naming ``name``, and ``snap`` of the
+    objects the same before and after (nothing changed before the refusal)."""
+    for bad, error in kinds[target.args[name]]:
+        ctx = target.make()
+        kwargs = with_value(target, ctx, name, bad)
+        before = snap(ctx)
+        with pytest.raises(error) as info:
+            target.call(ctx, **kwargs)
+        assert name in str(info.value), (bad, str(info.value))
+        assert snap(ctx) == before, f"{target}({name}={bad!r}) changed its objects before refusing"
+
+
+def check_numpy_twin_alike(target: Target, name: str, snap: Callable[[SimpleNamespace], Any]) -> None:
+    """The valid value of ``name`` as a numpy scalar: the same result and the same objects afterwards."""
+    seen = []
+    for convert in (lambda v: v, numpy_twin):
+        ctx = target.make()
+        kwargs = dict(target.valid(ctx))
+        kwargs[name] = convert(kwargs[name])
+        seen.append((observe(target.call(ctx, **kwargs)), snap(ctx)))
+    assert seen[0] == seen[1]

@@ -14,8 +14,8 @@ from tests.precision.probe_specs import (
     NUMPY_KINDS,
     TARGETS,
     Target,
-    numpy_twin,
-    observe,
+    check_bad_values_refused,
+    check_numpy_twin_alike,
     public_arguments,
     snapshot,
     with_value,
@@ -39,14 +39,7 @@ def test_the_table_covers_every_public_argument():
 
 @pytest.mark.parametrize("target,name", ARGS, ids=[f"{t}:{n}" for t, n in ARGS])
 def test_a_bad_value_is_refused_by_name_and_changes_nothing(target: Target, name: str):
-    for bad, error in KINDS[target.args[name]]:
-        ctx = target.make()
-        kwargs = with_value(target, ctx, name, bad)
-        before = snapshot(ctx)
-        with pytest.raises(error) as info:
-            target.call(ctx, **kwargs)
-        assert name in str(info.value), (bad, str(info.value))
-        assert snapshot(ctx) == before, f"{target}({name}={bad!r}) changed its objects before refusing"
+    check_bad_values_refused(target, name, KINDS, snapshot)
 
 
 NUMERIC = [(t, n) for t, n in ARGS if t.args[n] in NUMPY_KINDS]
@@ -54,13 +47,7 @@ NUMERIC = [(t, n) for t, n in ARGS if t.args[n] in NUMPY_KINDS]
 
 @pytest.mark.parametrize("target,name", NUMERIC, ids=[f"{t}:{n}" for t, n in NUMERIC])
 def test_numpy_scalars_work_like_python_numbers(target: Target, name: str):
-    seen = []
-    for convert in (lambda v: v, numpy_twin):
-        ctx = target.make()
-        kwargs = dict(target.valid(ctx))
-        kwargs[name] = convert(kwargs[name])
-        seen.append((observe(target.call(ctx, **kwargs)), snapshot(ctx)))
-    assert seen[0] == seen[1]
+    check_numpy_twin_alike(target, name, snapshot)
 
 
 SPECIALS = [(t, n, v) for t, n in ARGS for v in SPECIAL.get(t.args[n], [])]
