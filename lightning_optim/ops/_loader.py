@@ -3,7 +3,9 @@
 Built once into a cache directory (``$TORCH_EXTENSIONS_DIR/lightning_optim`` if set, else
 ``~/.cache/lightning_optim``) named by torch, Python and a short hash of what the module depends on
 (every source and header under csrc/ by content, the flags, the compiler, CUDA or not): two checkouts
-of one commit share a build, two versions of the package keep one each. ninja rebuilds only what changed.
+of one commit share a build, two versions of the package keep one each. A directory whose build
+finished (``<name>.built``) is imported as it is: ninja's timestamp and path checks would rebuild it
+for every checkout of the same sources.
 
 Builds in one directory take turns on an OS file lock (``build.lock``, see ``build_lock``): several
 processes starting together (DDP ranks) build once, a killed build cannot leave the lock held, and the
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.util
 import json
 import os
 import shutil
@@ -124,13 +127,32 @@ def _missing_tools() -> str | None:
     return None
 
 
-def _stale(build_dir: Path, name: str, files: list[Path]) -> bool:
-    """True when a compile is coming (no built module newer than every source and header)."""
-    built = list(build_dir.glob(f"{name}*.so")) + list(build_dir.glob(f"{name}*.pyd"))
-    if not built:
-        return True
-    newest_source = max(p.stat().st_mtime for p in [*files, *csrc_dir().rglob("*.h"), *csrc_dir().rglob("*.cuh")])
-    return max(p.stat().st_mtime for p in built) < newest_source
+def built_marker(build_dir: Path, name: str) -> Path:
+    """Written once ``load()`` has built and imported the module in ``build_dir``. The directory is named by
+    the hash of everything the module is built from, so a marked module is current however old it is:
+    it is imported as it is, without asking ninja, whose timestamp and path checks would rebuild it for
+    every checkout of the same sources (two checkouts used to rebuild each other back and forth)."""
+    return build_dir / f"{name}.built"
+
+
+def _import_built(build_dir: Path, name: str) -> ModuleType | None:
+    """The module built earlier in ``build_dir`` (marked by :func:`built_marker`), or None."""
+    library = build_dir / f"{name}{'.pyd' if sys.platform == 'win32' else '.so'}"
+    if not (built_marker(build_dir, name).is_file() and library.is_file()):
+        return None
+    spec = importlib.util.spec_from_file_location(name, library)
+    if spec is None or spec.loader is None:
+        return None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _mark_built(build_dir: Path, name: str, key: str) -> None:
+    marker = built_marker(build_dir, name)
+    partial = marker.with_suffix(f".{os.getpid()}.tmp")
+    partial.write_text(key + "\n")
+    partial.replace(marker)  # atomic: a reader sees no marker or a whole one
 
 
 def build(verbose: bool = False, force: bool = False) -> ModuleType:
@@ -158,37 +180,42 @@ def build(verbose: bool = False, force: bool = False) -> ModuleType:
 
 
 def _build(verbose: bool) -> ModuleType:
-    missing = _missing_tools()
-    if missing:
-        raise BuildError(missing)
-    from torch.utils.cpp_extension import load
-
     cuda = want_cuda()
     files = sources(cuda)
     name = "lightning_optim_kernels" + ("_cuda" if cuda else "")
     build_dir = build_root(cuda) / name
-    with build_lock(build_dir):  # after waiting, another process may have built it: check staleness inside
-        stale = _stale(build_dir, name, files)
-        started = time.perf_counter()
-        if stale:
-            what = "CPU and CUDA" if cuda else "CPU"
-            seconds = BUILD_SECONDS["cuda" if cuda else "cpu"]
-            print(f"lightning-optim: compiling {what} kernels (one time, ~{seconds} s)...", file=sys.stderr, flush=True)
-        module = load(
-            name=name,
-            sources=[str(f) for f in files],
-            extra_cflags=CPU_FLAGS + (["-DWITH_CUDA"] if cuda else []),
-            extra_cuda_cflags=NVCC_FLAGS,
-            extra_ldflags=["-fopenmp"],
-            extra_include_paths=[str(csrc_dir())],
-            build_directory=str(build_dir),
-            with_cuda=cuda,
-            verbose=verbose,
-        )
-    if stale:
-        took = time.perf_counter() - started
-        print(f"lightning-optim: kernels ready in {took:.0f} s ({build_dir})", file=sys.stderr, flush=True)
+    module = _import_built(build_dir, name)  # the common case: built before, no lock, no ninja
+    if module is None:
+        with build_lock(build_dir):  # after waiting, another process may have built it
+            module = _import_built(build_dir, name) or _compile(name, build_dir, files, cuda, verbose)
     check_shared_cxx_runtime(Path(module.__file__))
+    return module
+
+
+def _compile(name: str, build_dir: Path, files: list[Path], cuda: bool, verbose: bool) -> ModuleType:
+    missing = _missing_tools()  # only a build needs them: a module built earlier loads without
+    if missing:
+        raise BuildError(missing)
+    from torch.utils.cpp_extension import load
+
+    what = "CPU and CUDA" if cuda else "CPU"
+    seconds = BUILD_SECONDS["cuda" if cuda else "cpu"]
+    print(f"lightning-optim: compiling {what} kernels (one time, ~{seconds} s)...", file=sys.stderr, flush=True)
+    started = time.perf_counter()
+    module = load(
+        name=name,
+        sources=[str(f) for f in files],
+        extra_cflags=CPU_FLAGS + (["-DWITH_CUDA"] if cuda else []),
+        extra_cuda_cflags=NVCC_FLAGS,
+        extra_ldflags=["-fopenmp"],
+        extra_include_paths=[str(csrc_dir())],
+        build_directory=str(build_dir),
+        with_cuda=cuda,
+        verbose=verbose,
+    )
+    _mark_built(build_dir, name, build_dir.parent.name)
+    took = time.perf_counter() - started
+    print(f"lightning-optim: kernels ready in {took:.0f} s ({build_dir})", file=sys.stderr, flush=True)
     return module
 
 

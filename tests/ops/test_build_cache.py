@@ -376,3 +376,36 @@ def test_cli_build_and_later_loads_share_the_directory(ext):
     built = [line.split("kernels built in ", 1)[1] for line in out.stdout.splitlines() if "kernels built in" in line]
     assert [Path(p) for p in built] == [Path(ext.__file__)]
     assert "compiling" not in out.stderr  # it found the tests' build rather than making its own
+
+
+# A second checkout of the same sources: a copy of csrc/ elsewhere, newer on disk; compiling is refused.
+SECOND_CHECKOUT = """
+import sys
+from pathlib import Path
+import torch.utils.cpp_extension
+from lightning_optim.ops import _loader
+_loader._CANDIDATES = (Path(sys.argv[1]),)
+def no_compile(**kwargs):
+    raise RuntimeError("load() called: this would compile")
+torch.utils.cpp_extension.load = no_compile
+module = _loader.build()
+print("loaded", module.__file__, flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_a_second_checkout_loads_the_built_module_without_compiling(ext, tmp_path: Path):
+    """Same sources in another place (newer timestamps, other paths, so ninja would rebuild): the module
+    built for this key is imported as it is. Two checkouts used to rebuild each other back and forth."""
+    copy = tmp_path / "checkout2" / "csrc"
+    shutil.copytree(_loader.csrc_dir(), copy)
+    assert _loader.build_key(_loader.want_cuda(), copy) == _loader.build_key(_loader.want_cuda())
+    run = [sys.executable, "-c", SECOND_CHECKOUT, str(copy)]
+    out = subprocess.run(run, capture_output=True, text=True, timeout=BOUND_S)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["loaded", ext.__file__]
+    assert "compiling" not in out.stderr
+    # negative control: where nothing was built for this key, the same process does try to compile
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path / "empty_cache")}
+    out = subprocess.run(run, capture_output=True, text=True, timeout=BOUND_S, env=env)
+    assert out.returncode != 0 and "load() called: this would compile" in out.stderr
