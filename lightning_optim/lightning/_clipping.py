@@ -27,10 +27,13 @@ class _AgreedClipMixin:
     last_clip_norm: float | None = None  # the norm the last compression-stage clip used (equal on every rank)
 
     def _agree_on_clipping(self) -> None:
-        """Wrap this strategy's precision plugin's ``clip_grad_by_norm`` (once)."""
+        """Wrap this strategy's precision plugin's ``clip_grad_by_norm`` (once; undone by ``teardown``)."""
         plugin = self.precision_plugin
-        if "clip_grad_by_norm" in vars(plugin):
+        current = vars(plugin).get("clip_grad_by_norm")
+        if current is not None and getattr(current, "_agreed_clip_of", None) is self:
             return
+        if current is not None and hasattr(current, "_agreed_clip_of"):  # another strategy's, not torn down
+            _unwrap(plugin)
         own = plugin.clip_grad_by_norm
 
         def clip_grad_by_norm(optimizer: Any, clip_val: float) -> None:
@@ -43,4 +46,23 @@ class _AgreedClipMixin:
             self.last_clip_norm = float(norm)
             return None
 
+        clip_grad_by_norm._agreed_clip_of = self  # type: ignore[attr-defined]
+        clip_grad_by_norm._agreed_clip_before = vars(plugin).get("clip_grad_by_norm")  # type: ignore[attr-defined]
         plugin.clip_grad_by_norm = clip_grad_by_norm
+
+    def teardown(self) -> None:
+        """Give the precision plugin its own ``clip_grad_by_norm`` back: the user may reuse the plugin
+        with another strategy (ours would keep this strategy and its optimizer alive and in charge)."""
+        plugin = getattr(self, "precision_plugin", None)
+        current = vars(plugin).get("clip_grad_by_norm") if plugin is not None else None
+        if current is not None and getattr(current, "_agreed_clip_of", None) is self:
+            _unwrap(plugin)
+        super().teardown()
+
+
+def _unwrap(plugin: Any) -> None:
+    before = vars(plugin)["clip_grad_by_norm"]._agreed_clip_before
+    if before is None:
+        del plugin.clip_grad_by_norm
+    else:
+        plugin.clip_grad_by_norm = before

@@ -20,6 +20,7 @@ from lightning.fabric.plugins.precision.utils import _convert_fp_tensor, _DtypeC
 from lightning.pytorch.plugins.precision import Precision
 from lightning_utilities import apply_to_collection
 from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
 
 from lightning_optim.optim.base import BaseOptimizer
 from lightning_optim.optim.validation import check_int
@@ -206,6 +207,10 @@ class KahanPrecision(_LowPrecisionModule):
     Args:
         keep_fp32: module types kept in fp32 (inputs cast to fp32 and outputs back to bf16);
             default: the norm layers.
+
+    The casts are forward hooks that live only while a Trainer runs: teardown removes them, so after
+    ``fit`` the model holds bf16 params (fp32 kept modules) and no hooks; call ``model.float()`` (or
+    ``model.to(torch.bfloat16)``) to use it outside a Trainer in one dtype.
     """
 
     precision = "bf16-true"
@@ -216,6 +221,7 @@ class KahanPrecision(_LowPrecisionModule):
         if not all(isinstance(t, type) and issubclass(t, nn.Module) for t in keep):
             raise TypeError(f"keep_fp32: expected nn.Module subclasses, got {keep_fp32!r}")
         self.keep_fp32 = keep
+        self._cast_hooks: list[RemovableHandle] = []  # registered by convert_module, removed by teardown
 
     def convert_module(self, module: nn.Module) -> nn.Module:
         kept = [sub for sub in module.modules() if self.keep_fp32 and isinstance(sub, self.keep_fp32)]
@@ -225,11 +231,20 @@ class KahanPrecision(_LowPrecisionModule):
                 sub._apply(lambda t: t.to(self.dtype) if t.is_floating_point() else t, recurse=False)
         for sub in kept:
             sub.float()
-            if not getattr(sub, "_lo_kept_fp32", False):
-                sub.register_forward_pre_hook(_inputs_to_fp32)
-                sub.register_forward_hook(_output_to_bf16)
-                sub._lo_kept_fp32 = True
+            if _inputs_to_fp32 not in sub._forward_pre_hooks.values():  # once, however often converted
+                self._cast_hooks.append(sub.register_forward_pre_hook(_inputs_to_fp32))
+                self._cast_hooks.append(sub.register_forward_hook(_output_to_bf16))
         return module
+
+    def teardown(self) -> None:
+        """Remove the casting hooks (the run is over): the user's module is a plain torch module again,
+        its params left as the run made them (bf16, kept modules fp32), so ``model.float()`` or
+        ``model.to(torch.bfloat16)`` gives a module that runs in one dtype. The next fit, validate,
+        test or predict with this plugin converts and hooks it again."""
+        for handle in self._cast_hooks:
+            handle.remove()
+        self._cast_hooks.clear()
+        super().teardown()
 
     def connect(self, model: nn.Module, optimizers: list[Any], lr_schedulers: list[Any]) -> tuple:
         for optimizer in optimizers:

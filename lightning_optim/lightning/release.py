@@ -17,6 +17,8 @@ once), ``precision="16-mixed"`` and ``MasterWeightsPrecision`` (loss scaling uns
 the whole model before stepping), the 1-bit strategies (they communicate the whole model's momentum
 in one step), strategies other than one device and DDP, more than one optimizer, and optimizers
 that are not lightning_optim's.
+
+The hooks are removed when training ends (or fails): after ``fit`` the module carries none of them.
 """
 
 from __future__ import annotations
@@ -99,6 +101,17 @@ class GradientRelease(Callback):
         self._optimizer.optimizer_accumulation = not ((batch_idx + 1) % trainer.accumulate_grad_batches == 0 or last)
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        self._remove()
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        self._remove()  # a failed fit calls neither on_train_end nor teardown
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        self._remove()
+
+    def _remove(self) -> None:
+        """Undo ``on_train_start``: no hook of ours stays on the user's module (its params would step the
+        optimizer in any later backward), the optimizer steps normally again."""
         if self._model is not None:
             remove_gradient_release(self._model)
             if self._optimizer is not None and not self._ddp:
