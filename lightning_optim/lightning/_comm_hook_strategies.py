@@ -10,6 +10,8 @@ distributed family): with a hook, DDP's gradients are already the hook's aggrega
 from __future__ import annotations
 
 import inspect
+import math
+import warnings
 from datetime import timedelta
 from typing import Any, ClassVar
 
@@ -123,7 +125,9 @@ class _CommHookStrategyMixin(_ByteCountingMixin, _AfterStepMixin, _HookCheckpoin
 
 
 class _PowerSGDMixin(_CommHookStrategyMixin):
-    """DDP + torch's PowerSGD comm hook (``powerSGD_hook``, ``PowerSGDState``), on every device.
+    """DDP + torch's PowerSGD comm hook (``powerSGD_hook``, ``PowerSGDState``), on every device (on gloo one
+    bucket's chain of all-reduces at a time: :mod:`lightning_optim.comm.ddp_hooks.powersgd`). Warns once (rank 0,
+    at the start of a fit) when the fit ends before ``start_powerSGD_iter``: it would be plain DDP throughout.
 
     Args:
         matrix_approximation_rank: rank r of the P Q^T approximation, >= 1.
@@ -147,6 +151,23 @@ class _PowerSGDMixin(_CommHookStrategyMixin):
                            warm_start=warm_start, orthogonalization_epsilon=orthogonalization_epsilon,
                            random_seed=random_seed, batch_tensors_with_same_shape=batch_tensors_with_same_shape)
         super().__init__(hook_kwargs=hook_kwargs, **kwargs)
+
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        state, trainer = self._hook_state, self.lightning_module.trainer
+        total = trainer.estimated_stepping_batches
+        if state is None or self.global_rank != 0 or not math.isfinite(total):
+            return
+        ts = state.torch_state  # its iter counts the synchronised backwards (restored on resume)
+        last = ts.iter + max(0, int(total) - trainer.global_step)
+        if last <= ts.start_powerSGD_iter:
+            warnings.warn(
+                f"{type(self).__name__}: start_powerSGD_iter={ts.start_powerSGD_iter}, but this fit ends at iteration "
+                f"{last}: PowerSGD will not engage (every step is a plain fp32 DDP all-reduce). Pass "
+                "start_powerSGD_iter=... below that (>= 2, e.g. 10% of the run) for compressed gradients",
+                UserWarning,
+                stacklevel=2,
+            )
 
 
 class _TopKMixin(_CommHookStrategyMixin):

@@ -33,6 +33,10 @@ CASES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     "majority": ("signsgd", dict(majority_vote=True, error_feedback=False), {}),
 }
 POWERSGD = dict(matrix_approximation_rank=1, start_powerSGD_iter=2, min_compression_rate=1.0, random_seed=5)
+# two buckets of two params after DDP's rebuild, compressed from the third step on, rank 2
+POWERSGD_BUCKETS = dict(matrix_approximation_rank=2, start_powerSGD_iter=2, min_compression_rate=1.0, random_seed=3,
+                        orthogonalization_epsilon=1e-12)
+BUCKET_STEPS = 8
 
 
 def make_model() -> nn.Module:
@@ -133,6 +137,34 @@ def _powersgd_case(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
+def _one_bucket_at_a_time(state, bucket):  # no annotation: DDP checks a string one against the Future type
+    """torch's own powerSGD_hook, its whole chain waited for inside the hook (blocking the backward): by hand,
+    the order of collectives every rank shares."""
+    fut = torch_powersgd.powerSGD_hook(state, bucket)
+    fut.wait()
+    return fut
+
+
+def _powersgd_buckets_case(rank: int) -> dict[str, Any]:
+    """Several buckets (torch's hook alone aborts on gloo here: its P/Q all-reduces are issued from gloo's
+    callback threads, in an order that differs per rank): ours vs torch's hook waited for bucket by bucket
+    on a twin DDP, and every rank's own gradient for the W-worker reference."""
+    ours = nn.parallel.DistributedDataParallel(make_model(), bucket_cap_mb=1e-4)
+    state = register_comm_hook(ours, PowerSGDHookState(**POWERSGD_BUCKETS, stats=CommStats()))
+    theirs = nn.parallel.DistributedDataParallel(make_model(), bucket_cap_mb=1e-4)
+    theirs.register_comm_hook(torch_powersgd.PowerSGDState(process_group=None, **POWERSGD_BUCKETS),
+                              _one_bucket_at_a_time)
+    out: dict[str, Any] = {"local": [], "ours": [], "theirs": []}
+    for step in range(1, BUCKET_STEPS + 1):
+        out["local"].append(local_grads(ours, step, rank))
+        out["ours"].append(backward(ours, step, rank))
+        out["theirs"].append(backward(theirs, step, rank))
+    position = state.names.position  # the buckets in DDP's call order, as param positions
+    out["buckets"] = [[position[name] for name in state._layouts[i]] for i in sorted(state._layouts)]
+    out["iter"] = state.torch_state.iter
+    return out
+
+
 def _decentralized_case(rank: int) -> dict[str, Any]:
     stats = CommStats()
     ddp = nn.parallel.DistributedDataParallel(make_model())
@@ -180,6 +212,7 @@ def suite(rank: int, world: int) -> dict[str, Any]:
     set_collective_timeout(60)
     out: dict[str, Any] = {name: _compression_case(name, rank) for name in CASES}
     out["powersgd"] = _powersgd_case(rank, world)
+    out["powersgd_buckets"] = _powersgd_buckets_case(rank)
     out["decentralized"] = _decentralized_case(rank)
     out["missing_rank"] = _refusal([[1], [0, 2], [1, 5]])
     out["asymmetric"] = _refusal([[1, 2], [0], [1]])

@@ -6,7 +6,9 @@ an independent computation.
   the error-feedback identity; the bytes; a fresh DDP (DDP's initial bucket layout) with the saved
   state continues exactly like the uninterrupted run.
 * PowerSGD: equals torch's ``powerSGD_hook`` applied by hand to a twin DDP model, bitwise; its bytes are
-  what the all-reduces it issued carry; resumed into a fresh DDP it is realigned to the new layout.
+  what the all-reduces it issued carry; resumed into a fresh DDP it is realigned to the new layout. With
+  two buckets (where torch's hook alone aborts on gloo), 6 compressed steps: equal to torch's hook
+  waited for bucket by bucket (bitwise) and to the W-worker reference ``tests/reference/powersgd_hook.py``.
 * decentralized: DDP leaves the gradients local, the params after each step are the W-worker gossip
   simulation (``tests/reference/decentralized.py``), the consensus distance shrinks at the graph's rate.
 
@@ -22,8 +24,10 @@ import pytest
 import torch
 
 from tests.distributed import run_workers
-from tests.distributed_optim.ddp_hook_workers import CASES, LR, PATH, RESUMED, STEPS, make_model, suite
+from tests.distributed_optim.ddp_hook_workers import (BUCKET_STEPS, CASES, LR, PATH, POWERSGD_BUCKETS, RESUMED, STEPS,
+                                                      make_model, suite)
 from tests.reference.compressors import RefCompressedWorkers
+from tests.reference.powersgd_hook import RefPowerSGDHook
 from tests.reference.decentralized import consensus_distance, mixing_matrix, second_eigenvalue_modulus
 
 WORLD = 3
@@ -117,6 +121,27 @@ def test_powersgd_equals_torchs_hook_applied_by_hand(ranks):
         p = ranks[r]["powersgd"]
         for ours, theirs in zip(p["ours"], p["theirs"]):
             for a, b in zip(ours, theirs):
+                _same(a, b)
+
+
+def test_powersgd_with_several_buckets_equals_torchs_hook_and_the_reference(ranks):
+    runs = [ranks[r]["powersgd_buckets"] for r in range(WORLD)]
+    buckets = runs[0]["buckets"]
+    assert len(buckets) >= 2 and sorted(i for b in buckets for i in b) == list(range(len(NUMELS)))
+    assert all(run["buckets"] == buckets for run in runs)
+    assert all(run["iter"] == BUCKET_STEPS for run in runs)
+    ref = RefPowerSGDHook(WORLD, [p.shape for p in make_model().parameters()], **POWERSGD_BUCKETS)
+    for t in range(BUCKET_STEPS):
+        expected = ref.step([run["local"][t] for run in runs], buckets)
+        for run in runs:
+            for ours, theirs, want in zip(run["ours"][t], run["theirs"][t], expected):
+                _same(ours, theirs)  # torch's own hook, one bucket at a time
+                torch.testing.assert_close(ours, want, rtol=1e-9, atol=1e-12)
+        if t >= POWERSGD_BUCKETS["start_powerSGD_iter"]:  # compressed: not the plain average
+            plain = sum(run["local"][t][0] for run in runs) / WORLD
+            assert not torch.allclose(runs[0]["ours"][t][0], plain, atol=1e-6)
+        for run in runs[1:]:  # every rank gets the same gradients
+            for a, b in zip(run["ours"][t], runs[0]["ours"][t]):
                 _same(a, b)
 
 

@@ -4,7 +4,8 @@ environment of ``workers.py``: Lightning sees an already-launched world), on the
 Per strategy: two epochs of ``RESUME_EPOCH`` steps with a checkpoint after each, then the first
 epoch's checkpoint resumed for the second. The PowerSGD run records, per step, the params, the batch
 and the gradients the hook produced, so the rank can replay the steps through torch's own
-``powerSGD_hook`` on a plain DDP model afterwards. Last, the refusals that need a running world.
+``powerSGD_hook`` on a plain DDP model afterwards. Then PowerSGD with several buckets well past its
+start, and by name in a fit shorter than its start. Last, the refusals that need a running world.
 """
 
 from __future__ import annotations
@@ -20,6 +21,11 @@ from tests.lightning.workers import DATA, MODEL, SCHEDULER, SEQ_LEN, _flat_param
 
 RESUME_EPOCH = 7
 POWERSGD = dict(matrix_approximation_rank=2, start_powerSGD_iter=3)
+# several buckets (torch's hook alone aborts on gloo there), well past the start: 14 compressed steps
+POWERSGD_BUCKETS = dict(matrix_approximation_rank=2, start_powerSGD_iter=10)
+BUCKET_CAP_MB = 0.01
+BUCKET_STEPS = 24
+BY_NAME_STEPS = 3  # strategy="powersgd" (start_powerSGD_iter=1000): plain DDP, with one warning
 # name -> (strategy class name, strategy kwargs)
 CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "powersgd": ("PowerSGDStrategy", POWERSGD),
@@ -121,19 +127,29 @@ def _torch_hook(case: str) -> tuple[Any, Any]:
 
     if case == "powersgd":
         return torch_powersgd.PowerSGDState(process_group=None, **POWERSGD), torch_powersgd.powerSGD_hook
+    if case == "powersgd_buckets":  # torch's hook waited for bucket by bucket: alone it aborts on gloo here
+        return torch_powersgd.PowerSGDState(process_group=None, **POWERSGD_BUCKETS), _one_bucket_at_a_time
     return None, default_hooks.fp16_compress_hook
+
+
+def _one_bucket_at_a_time(state, bucket):  # no annotation: DDP checks a string one against the Future type
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
+
+    fut = torch_powersgd.powerSGD_hook(state, bucket)
+    fut.wait()
+    return fut
 
 
 TORCH_HOOKS = ("powersgd", "fp16_compress")
 
 
-def replay_with_torchs_hook(case: str, replay: list[dict[str, Any]]) -> list[list[torch.Tensor]]:
+def replay_with_torchs_hook(case: str, replay: list[dict[str, Any]], **ddp_kwargs: Any) -> list[list[torch.Tensor]]:
     """The recorded steps through torch's own hook by hand: a plain DDP model with the strategy's arguments,
     each step's params and batch; returns the gradients DDP hands back."""
     from lightning_optim.model import LanguageModel
 
     lm = LanguageModel(MODEL, SEQ_LEN, optimizer=_adamw, scheduler=SCHEDULER)
-    ddp = nn.parallel.DistributedDataParallel(_Loss(lm))
+    ddp = nn.parallel.DistributedDataParallel(_Loss(lm), **ddp_kwargs)
     ddp.register_comm_hook(*_torch_hook(case))
     grads = []
     for step in replay:
@@ -153,6 +169,39 @@ def _refused(out: Path, make_strategy, **fit_kwargs) -> str:
     return "no error"
 
 
+def _warned(fit) -> tuple[dict[str, Any], list[str]]:
+    """``fit()``'s result and the warnings about ``start_powerSGD_iter`` it gave."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = fit()
+    return result, [str(w.message) for w in caught if "start_powerSGD_iter" in str(w.message)]
+
+
+def powersgd_on_gloo(tmp_path: Path) -> dict[str, Any]:
+    """PowerSGD with several buckets past its start (``PowerSGDStrategy(start_powerSGD_iter=10)``) and by name in
+    a fit shorter than its default start."""
+    import lightning_optim.lightning.strategies as strategies
+
+    def buckets() -> dict[str, Any]:
+        strategy = strategies.PowerSGDStrategy(**POWERSGD_BUCKETS, bucket_cap_mb=BUCKET_CAP_MB, timeout=60)
+        run = _fit("powersgd", tmp_path / "powersgd_buckets", max_steps=BUCKET_STEPS, strategy=strategy)
+        state = strategy.hook_state
+        return {**run, "buckets": len(state._layouts), "iter": state.torch_state.iter}
+
+    def by_name() -> dict[str, Any]:
+        run = _fit("powersgd", tmp_path / "powersgd_by_name", max_steps=BY_NAME_STEPS, strategy="powersgd")
+        return {**run, "iter": run["hook_state"]["torch_state"]["iter"]}
+
+    out: dict[str, Any] = {}
+    out["buckets"], out["buckets_warnings"] = _warned(buckets)
+    out["buckets"]["by_hand"] = replay_with_torchs_hook("powersgd_buckets", out["buckets"]["replay"],
+                                                        bucket_cap_mb=BUCKET_CAP_MB)
+    out["by_name"], out["by_name_warnings"] = _warned(by_name)
+    return out
+
+
 def suite(rank: int, world: int, tmp: str) -> dict[str, Any]:
     """Everything the 2-rank strategy tests check, in one spawn."""
     import lightning_optim
@@ -170,6 +219,7 @@ def suite(rank: int, world: int, tmp: str) -> dict[str, Any]:
         out[case] = {**full, "resumed": resumed, "ckpt": ckpt}
     for case in TORCH_HOOKS:
         out[case]["by_hand"] = replay_with_torchs_hook(case, out[case]["replay"])
+    out["powersgd_on_gloo"] = powersgd_on_gloo(tmp_path)
     out["refused"] = {  # last: a failed fit may leave Lightning's state behind
         "onebit_optimizer": _refused(tmp_path / "r1", lambda: strategies.TopKStrategy(timeout=60),
                                      optimizer=functools.partial(lightning_optim.OnebitAdam, lr=1e-3)),

@@ -5,7 +5,10 @@ every constructor argument refused in one process.
 Checked against independent computations: PowerSGD's gradients equal torch's ``powerSGD_hook`` applied
 by hand to a plain DDP model (bitwise); bytes per step equal the message sizes worked out here from the
 param shapes; the decentralized params equal the W-worker gossip of the ranks' locally stepped params;
-a resumed fit equals the uninterrupted one bitwise, each rank with its own hook state.
+a resumed fit equals the uninterrupted one bitwise, each rank with its own hook state. PowerSGD with
+several DDP buckets (where torch's hook alone aborts on gloo) runs 14 steps past its start with the ranks'
+params identical and equals torch's hook waited for bucket by bucket; by name, a fit that ends before
+its start warns once.
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ from lightning_optim.comm.ddp_hooks import HOOKS, TopKHookState, make_state, reg
 from lightning_optim.lightning._hook_checkpoints import HOOK_CHECKPOINT_KEY
 from lightning_optim.lightning._rank_checkpoints import rank_file
 from tests.distributed import run_workers
-from tests.lightning.comm_hook_workers import CASES, POWERSGD, RESUME_EPOCH, suite
+from tests.lightning.comm_hook_workers import (BUCKET_STEPS, BY_NAME_STEPS, CASES, POWERSGD, POWERSGD_BUCKETS,
+                                              RESUME_EPOCH, suite)
 from tests.reference.decentralized import consensus_distance, mix, mixing_matrix, ring_neighbors
 
 WORLD = 2
@@ -39,16 +43,17 @@ def _ring(numel: int, element: int = 4) -> int:
     return 2 * (WORLD - 1) * numel * element // WORLD
 
 
-def _expected_bytes(case: str, shapes: list[tuple[int, ...]], step: int) -> int:
-    """What one optimizer step ``step`` (1-based) sends per rank, from the param shapes (fp32)."""
+def _expected_bytes(case: str, shapes: list[tuple[int, ...]], step: int, powersgd: dict = POWERSGD) -> int:
+    """What one optimizer step ``step`` (1-based) sends per rank, from the param shapes (fp32; on 2 ranks the
+    ring cost is additive, so the bucket layout does not matter)."""
     numels = [math.prod(s) for s in shapes]
     if case == "powersgd":  # torch's rule: an n x m matrix of rank r travels as P, Q when (n + m) r 2 < n m
-        if step <= POWERSGD["start_powerSGD_iter"]:
+        if step <= powersgd["start_powerSGD_iter"]:
             return _ring(sum(numels))
         p = q = plain = 0
         for shape in shapes:
             n, m = shape[0], math.prod(shape) // shape[0]
-            r = min(n, m, POWERSGD["matrix_approximation_rank"])
+            r = min(n, m, powersgd["matrix_approximation_rank"])
             if (n + m) * r * 2 < n * m:
                 p, q = p + n * r, q + m * r
             else:
@@ -116,6 +121,43 @@ def test_the_strategy_equals_torchs_hook_applied_by_hand(runs, case):
         for step, by_hand in zip(run["replay"], run["by_hand"]):
             for strategy_grad, torch_grad in zip(step["grads"], by_hand):
                 assert torch.equal(strategy_grad, torch_grad)
+
+
+def test_powersgd_with_several_buckets_runs_well_past_its_start_on_gloo(runs):
+    """PowerSGDStrategy(start_powerSGD_iter=10) with DDP buckets of 10 kB: torch's hook alone aborts the process
+    a few steps after the start (gloo::EnforceNotMet, the ranks' collectives out of order)."""
+    gloo = [runs[r]["powersgd_on_gloo"] for r in range(WORLD)]
+    for rank, run in enumerate(g["buckets"] for g in gloo):
+        assert run["buckets"] >= 3 and run["iter"] == BUCKET_STEPS
+        losses = [row["loss"] for row in run["rows"]]
+        assert len(losses) == BUCKET_STEPS and all(math.isfinite(v) for v in losses)
+        assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.05, losses
+        sent = [row["bytes_sent"] for row in run["rows"]]
+        assert sent == [_expected_bytes("powersgd", run["shapes"], t, POWERSGD_BUCKETS)
+                        for t in range(1, BUCKET_STEPS + 1)]
+        assert sent[-1] * 5 < sent[0]  # compressed after the start
+        assert gloo[rank]["buckets_warnings"] == []  # the fit goes past start_powerSGD_iter
+    assert torch.equal(gloo[0]["buckets"]["params"], gloo[1]["buckets"]["params"])  # the ranks agree
+
+
+def test_powersgd_with_several_buckets_equals_torchs_hook_one_bucket_at_a_time(runs):
+    for rank in range(WORLD):
+        run = runs[rank]["powersgd_on_gloo"]["buckets"]
+        assert len(run["replay"]) == len(run["by_hand"]) == BUCKET_STEPS
+        for step, by_hand in zip(run["replay"], run["by_hand"]):
+            for strategy_grad, torch_grad in zip(step["grads"], by_hand):
+                assert torch.equal(strategy_grad, torch_grad)
+
+
+def test_powersgd_by_name_warns_once_when_the_fit_ends_before_its_start(runs):
+    """strategy="powersgd" has start_powerSGD_iter=1000: a shorter fit is plain DDP, said once (rank 0)."""
+    first, other = (runs[r]["powersgd_on_gloo"] for r in range(WORLD))
+    (message,) = first["by_name_warnings"]
+    assert "start_powerSGD_iter=1000" in message and f"ends at iteration {BY_NAME_STEPS}" in message
+    assert other["by_name_warnings"] == []
+    for run in (first["by_name"], other["by_name"]):
+        assert run["iter"] == BY_NAME_STEPS
+        assert [row["bytes_sent"] for row in run["rows"]] == [_ring(sum(run["numels"]))] * BY_NAME_STEPS
 
 
 def test_decentralized_params_are_the_gossip_of_the_local_steps(runs):

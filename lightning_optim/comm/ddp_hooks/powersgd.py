@@ -1,6 +1,7 @@
 r"""DDP comm hook ``"powersgd"``: torch's own ``powerSGD_hook`` and ``PowerSGDState`` (Vogels et al. 2019),
-unchanged, plus three things torch leaves out: byte counts, per-rank checkpoints, and state that
-survives DDP's bucket rebuild.
+unchanged, plus what torch leaves out: byte counts, per-rank checkpoints, state that survives DDP's
+bucket rebuild, and the same order of collectives on every rank on gloo (torch's hook alone aborts
+there with more than one bucket; see "One bucket at a time" below).
 
 What torch's hook does per bucket (``torch/distributed/algorithms/ddp_comm_hooks/powerSGD_hook.py``):
 for the first ``start_powerSGD_iter`` iterations, a plain averaging all-reduce of the bucket; then,
@@ -30,6 +31,27 @@ layout, the entries of the buckets not yet called in this iteration are cut into
 and reassembled for the new layout (the params of buckets already in flight start from zero error,
 counted in ``resets``). Checkpoints hold the pieces by param name, so they load into any layout.
 
+One bucket at a time on gloo: torch's hook issues its second and third all-reduce (the P's, the Q's)
+from inside future callbacks (``.then``). A gloo future completes on one of gloo's worker threads
+when the collective has finished, so the P all-reduce of bucket ``i`` is issued either at once on the
+autograd thread (the first all-reduce was already done when ``.then`` was attached) or later on a
+worker thread, after the autograd thread has issued bucket ``i + 1``'s first all-reduce, and which one
+happens is a matter of timing on each rank. gloo pairs the ranks' collectives by their order, so one
+rank's P's meet the other's uncompressed params: ``gloo::EnforceNotMet ... op.preamble.length <=
+op.nbytes`` aborts the process, or the ranks hang until the timeout (seen in a Lightning fit), or,
+where the sizes happen to match, the wrong tensors are summed.
+Any model of more than one bucket (DDP's first bucket holds 1 MB) hits it within a few steps of
+``start_powerSGD_iter``; NCCL does not, because its futures complete when the work is enqueued and the
+callbacks run at once, in order. Here bucket ``i + 1``'s call of torch's hook waits (on a callback,
+never blocking a thread) until bucket ``i``'s chain has completed, so every rank issues the same
+sequence: uncompressed, P's, Q's of bucket 0, then of bucket 1, ... torch's hook itself is unchanged
+and the math is the same; where a bucket's chain is already done when the next one comes (NCCL, one
+bucket), torch's hook is called at once, exactly as without this module. The price on gloo: the
+buckets' compressions no longer overlap one another (they still overlap the rest of the backward).
+A deferred call runs on a gloo worker thread; its fresh queries (the first compressing iteration, or
+every one without ``warm_start``) come from torch's ``fork_rng`` of the global CPU generator, which
+the autograd thread does not draw from during the backward.
+
 ``state_dict()`` (per rank: the error differs per rank) holds ``PowerSGDState.__getstate__()``'s
 counters, its RNG as tensors, and the error and Q memory by param name; ``load_state_dict`` restores
 them through ``PowerSGDState.__setstate__``, keeping this state's own hyper-parameters (the Q memory
@@ -38,7 +60,7 @@ only when ``matrix_approximation_rank`` and ``min_compression_rate`` are the sav
 # no ``from __future__ import annotations``: DDP checks the hook's return annotation at runtime
 import contextlib
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -123,6 +145,7 @@ class PowerSGDHookState(HookState):
         self._iteration_over = True
         self.realigned = 0  # times a bucket index came with another layout than its entries were made for
         self.resets = 0  # params whose error restarted at zero because their bucket changed mid-iteration
+        self._tail: torch.futures.Future | None = None  # the last compressing bucket's chain (one at a time)
 
     def attach(self, ddp_model) -> None:
         """Collective: the ranks check that they share the arguments and the params' shapes (one bounded
@@ -272,14 +295,56 @@ class PowerSGDHookState(HookState):
                         "q": {k: v.clone() for k, v in q.items()} if keep_q else {}}
         self._layouts.clear()
 
+    # ------------------------------------------------------------------ one bucket at a time
+    def _after_previous(self, start: Callable[[], torch.futures.Future]) -> torch.futures.Future:
+        """``start()`` (torch's hook on one bucket) once the previous compressing bucket's chain has completed:
+        at once when it has (NCCL, one bucket), else from its completion callback. A failed previous chain
+        fails this bucket without a collective (the ranks' sequences would no longer match)."""
+        tail = self._tail
+        if tail is None or (tail.done() and not _failed(tail)):
+            fut = start()
+        else:
+            fut = torch.futures.Future()
+
+            def go(previous: torch.futures.Future) -> None:
+                try:
+                    previous.value()
+                    inner = start()
+                except Exception as exc:  # noqa: BLE001 - surfaced through this bucket's future
+                    fut.set_exception(exc)
+                    return
+                inner.add_done_callback(lambda done: _pass_on(done, fut))
+
+            tail.add_done_callback(go)
+        self._tail = fut
+        return fut
+
+
+def _failed(fut: torch.futures.Future) -> bool:
+    try:
+        fut.value()
+    except Exception:  # noqa: BLE001
+        return True
+    return False
+
+
+def _pass_on(done: torch.futures.Future, to: torch.futures.Future) -> None:
+    try:
+        to.set_result(done.value())
+    except Exception as exc:  # noqa: BLE001 - surfaced through the bucket's future
+        to.set_exception(exc)
+
 
 def powersgd_hook(state: PowerSGDHookState, bucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP comm hook: torch's ``powerSGD_hook`` on ``state.torch_state``, bounded, counted, layout-safe."""
+    """DDP comm hook: torch's ``powerSGD_hook`` on ``state.torch_state``, bounded, counted, layout-safe, and
+    one compressing bucket at a time (gloo: see the module docstring)."""
     ts = state.torch_state
     layout = state.names_of(bucket)
     if state._iteration_over:
         state._called.clear()
         state._iteration_over = False
+        if state._tail is not None and state._tail.done():
+            state._tail = None  # a chain still in flight (a timed-out bucket) keeps the next ones behind it
     buffer = bucket.buffer()
     compressing = ts.iter >= ts.start_powerSGD_iter
     if compressing:
@@ -293,5 +358,8 @@ def powersgd_hook(state: PowerSGDHookState, bucket) -> torch.futures.Future[torc
             with stats_lock:
                 count()
 
-    fut = torch_powersgd.powerSGD_hook(ts, bucket)
+    if compressing:
+        fut = state._after_previous(lambda: torch_powersgd.powerSGD_hook(ts, bucket))
+    else:  # one all-reduce, issued here on the autograd thread: the same order on every rank
+        fut = torch_powersgd.powerSGD_hook(ts, bucket)
     return bounded(fut, collective_timeout(), f"PowerSGD bucket {bucket.index()}", on_success=counted)
