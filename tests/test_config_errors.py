@@ -76,7 +76,10 @@ def _job(*overrides: str, cwd) -> subprocess.CompletedProcess:
 
 def test_the_job_exits_with_the_key_before_training(tmp_path):
     for overrides, key in ((("optimizer.lr=-1",), "optimizer.lr"), (("strategy.freeze_step=0",), "strategy.freeze_step"),
-                           (("optimizer=torch_adamw", "optimizer.eps=-1"), "optimizer.eps")):
+                           (("optimizer=torch_adamw", "optimizer.eps=-1"), "optimizer.eps"),
+                           # release drops only the default clip: an explicit one still conflicts
+                           (("gradient_release=true", "strategy=ddp", "trainer.gradient_clip_val=1.0"),
+                            "gradient_release")):
         done = _job(*overrides, cwd=tmp_path)
         assert done.returncode == 2, (overrides, done.stderr[-2000:])
         lines = [line for line in done.stderr.splitlines() if line.strip()]

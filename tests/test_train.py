@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import logging
 import math
 import os
 import subprocess
@@ -12,8 +13,11 @@ from pathlib import Path
 
 import pytest
 
+from omegaconf import OmegaConf
+
+from lightning_optim.config_check import ConfigError, check_config
 from lightning_optim.model import warmup_cosine
-from lightning_optim.train import run
+from lightning_optim.train import ProgressBar, build_trainer, last_epoch, release_defaults, run
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 # One process whatever the default strategy is: an in-process DDP launch would re-run pytest's argv.
@@ -25,9 +29,10 @@ def rows(metrics_csv: Path, name: str) -> list[float]:
         return [float(row[name]) for row in csv.DictReader(handle) if row.get(name)]
 
 
-def test_smoke_run_trains_and_writes_outputs(compose_train, tmp_path: Path, capsys):
+def test_smoke_run_trains_and_writes_outputs(compose_train, tmp_path: Path, caplog):
     cfg = compose_train(*FAST)
-    summary = run(cfg, tmp_path)
+    with caplog.at_level(logging.INFO, logger="lightning_optim.train"):
+        summary = run(cfg, tmp_path)
 
     train_losses = rows(tmp_path / "metrics.csv", "train_loss")
     val_losses = rows(tmp_path / "metrics.csv", "val_loss")
@@ -49,7 +54,7 @@ def test_smoke_run_trains_and_writes_outputs(compose_train, tmp_path: Path, caps
     assert saved["num_params"] == summary["num_params"] > 100_000
     assert saved["config"]["data"]["seed"] == cfg.seed  # resolved, not "${seed}"
     assert saved["config"]["optimizer"]["_target_"] == cfg.optimizer._target_
-    assert "val loss" in capsys.readouterr().out  # the printed table
+    assert "val loss" in caplog.text  # the summary table goes through logging (console and train.log under Hydra)
 
 
 def test_final_validation_runs_when_the_schedule_misses_the_last_step(compose_train, tmp_path: Path):
@@ -67,6 +72,64 @@ def test_user_text_file(compose_train, tmp_path: Path):
     cfg = compose_train(*FAST, "data=text", f"data.path={corpus}", "trainer.max_steps=10")
     summary = run(cfg, tmp_path / "out")
     assert summary["final_val_loss"] < summary["initial_val_loss"] - 1.0  # repetitive text is easy
+
+
+def _plain(compose_train, *overrides: str) -> dict:
+    return OmegaConf.to_container(compose_train(*overrides), resolve=True)
+
+
+def test_gradient_release_on_the_default_config_drops_what_cannot_release(compose_train):
+    """``gradient_release=true`` alone: the default trainer's clip and the default 1-bit strategy give way
+    (one note each); what the command line or a config file chose stays, and conflicts as before."""
+    cfg = _plain(compose_train, "gradient_release=true")
+    notes = release_defaults(cfg, ["gradient_release=true"])
+    assert len(notes) == 2 and "gradient_clip_val=1.0 is dropped" in notes[0] and "strategy=ddp" in notes[1]
+    assert cfg["trainer"]["gradient_clip_val"] is None and cfg["trainer"]["devices"] == 2
+    assert cfg["strategy"]["_target_"] == "lightning.pytorch.strategies.DDPStrategy"
+    check_config(cfg)  # now a valid release config
+    one = _plain(compose_train, "gradient_release=true", "strategy=auto", "trainer.devices=1")
+    assert len(release_defaults(one, ["gradient_release=true", "strategy=auto", "trainer.devices=1"])) == 1
+    check_config(one)
+
+    chosen = {  # overrides -> the conflict check_config still reports
+        ("trainer.gradient_clip_val=1.0", "strategy=ddp"): "conflicts with trainer.gradient_clip_val=1.0",
+        ("++trainer.gradient_clip_val=1.0",): "conflicts with trainer.gradient_clip_val=1.0",
+        ("strategy=onebit_adam",): "conflicts with the 1-bit strategy",
+        ("strategy.freeze_step=50",): "conflicts with the 1-bit strategy",
+    }
+    for overrides, conflict in chosen.items():
+        cfg = _plain(compose_train, "gradient_release=true", *overrides)
+        release_defaults(cfg, ["gradient_release=true", *overrides])
+        with pytest.raises(ConfigError, match=f"^gradient_release: {conflict}"):
+            check_config(cfg)
+    from_a_file = _plain(compose_train, "gradient_release=true", "strategy=ddp")
+    from_a_file["trainer"]["gradient_clip_val"] = 0.5  # not the shipped default: someone's trainer option chose it
+    assert release_defaults(from_a_file, ["gradient_release=true", "strategy=ddp"]) == []
+    untouched = _plain(compose_train, "gradient_release=true")
+    assert release_defaults(untouched, None) == [] and untouched == _plain(compose_train, "gradient_release=true")
+    assert release_defaults(_plain(compose_train), []) == []  # no release: nothing changes
+
+
+def test_progress_bar_counts_the_epochs_max_steps_spans(compose_train, tmp_path: Path):
+    """Lightning sets max_epochs=-1 when max_steps bounds the run and its bar read "Epoch 0/-2"."""
+    cfg = _plain(compose_train, *FAST, "trainer.enable_progress_bar=true", "trainer.max_steps=400")
+    trainer = build_trainer(cfg, tmp_path, callbacks=[])
+    bar = trainer.progress_bar_callback
+    assert isinstance(bar, ProgressBar)
+    trainer.fit_loop.max_batches = 70  # what fit finds: batches per epoch
+    bar._trainer = trainer
+    assert bar._get_train_description(0).strip() == "Epoch 0/5"  # 400 steps of 70 batches: epochs 0..5
+    trainer.fit_loop.max_epochs = -1  # as fit sets it
+    assert last_epoch(trainer) == 5
+    trainer.accumulate_grad_batches = 4  # 18 steps per epoch (the last 2 batches step too): epochs 0..22
+    assert last_epoch(trainer) == 22
+    trainer.accumulate_grad_batches = 1
+    trainer.fit_loop.max_epochs = 3  # an explicit +trainer.max_epochs=3 ends it first
+    assert last_epoch(trainer) == 2
+    trainer.fit_loop.max_epochs, trainer.fit_loop.max_batches = -1, float("inf")  # unknown epoch length
+    assert last_epoch(trainer) is None and bar._get_train_description(1).strip() == "Epoch 1"
+    off = build_trainer(_plain(compose_train, *FAST), tmp_path, callbacks=[])  # smoke: no bar at all
+    assert off.progress_bar_callback is None
 
 
 def test_warmup_cosine_schedule():

@@ -65,15 +65,29 @@ def test_cli_default_runs_two_processes_and_rank_0_writes(tmp_path: Path):
     with open(run_dir / "metrics.csv", newline="") as handle:
         rows = [r for r in csv.DictReader(handle) if r.get("comm/bytes_sent")]
     assert len(rows) == 8
-    # rank 1 ran in the same directory (its own log) and wrote none of the outputs
-    assert (run_dir / "train_ddp_process_1.log").exists()
+    # the stage switch: said once on the console and in train.log, marked in summary.json (and loss.png)
+    switch = "lightning-optim: step 4: the 1-bit stage starts: OnebitAdam exchanges 1-bit compressed momentum"
+    assert result.stdout.count(switch) == 1 and comm["stage_switch_step"] == 4
+    assert "4 of 8 steps without DDP's allreduce, from step 4)" in result.stdout
+    job_log = (run_dir / "train.log").read_text()  # our messages and Lightning's, time-stamped
+    assert switch in job_log and "lightning-optim run summary" in job_log and "bytes sent per rank" in job_log
+    assert "Initializing distributed: GLOBAL_RANK: 0" in job_log
+    assert (run_dir / "loss.png").stat().st_size > 0
+    # rank 1 ran in the same directory (its own log: Lightning's messages of that process) and wrote none of the outputs
+    assert "GLOBAL_RANK: 1" in (run_dir / "train_ddp_process_1.log").read_text()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
     assert len(list(tmp_path.rglob("summary.json"))) == 1 and len(list(tmp_path.rglob(".hydra"))) == 1
 
 
-def test_cli_gradient_release_with_bf16_kahan_under_ddp(tmp_path: Path):
-    """``gradient_release=true precision=bf16_kahan strategy=ddp``: two processes train (the release
-    hook steps every bucket; bf16 buckets reduce on gloo)."""
-    _, summary, _ = _run_job(tmp_path, "strategy=ddp", "trainer.devices=2", "precision=bf16_kahan",
-                             "gradient_release=true", "trainer.gradient_clip_val=null")
-    assert summary["config"]["gradient_release"] is True
+def test_cli_gradient_release_on_the_default_config_with_bf16_kahan(tmp_path: Path):
+    """``gradient_release=true precision=bf16_kahan`` on the default config: the default clip and the default
+    1-bit strategy give way (one note each), and two DDP processes train (the release hook steps every bucket;
+    bf16 buckets reduce on gloo). An explicit clip still stops the job (tests/test_config_errors.py)."""
+    result, summary, run_dir = _run_job(tmp_path, "precision=bf16_kahan", "gradient_release=true")
+    config = summary["config"]
+    assert config["gradient_release"] is True and config["trainer"]["gradient_clip_val"] is None
+    assert config["strategy"]["_target_"] == "lightning.pytorch.strategies.DDPStrategy" and "comm" not in summary
+    notes = [line for line in result.stdout.splitlines() if line.startswith("lightning-optim: gradient_release=true:")]
+    assert len(notes) == 2, result.stdout  # rank 0 only
+    job_log = (run_dir / "train.log").read_text()
+    assert all(line in job_log for line in notes) and "lightning-optim run summary" in job_log
