@@ -83,17 +83,6 @@ def check_ddp_ground(caller: str, accelerator: Any, model: nn.Module) -> int:
     return size
 
 
-def refuse_grad_scaler(caller: str, accelerator: Any, why: str) -> None:
-    """``mixed_precision="fp16"`` puts torch's GradScaler in ``accelerator.scaler``."""
-    from accel_plugins.master_weights import MasterWeightsHandle
-
-    scaler = getattr(accelerator, "scaler", None)
-    if scaler is not None and not isinstance(scaler, MasterWeightsHandle):
-        raise ValueError(f"{caller}: Accelerator(mixed_precision='fp16') uses torch's GradScaler, which {why}. "
-                         "Use mixed_precision='bf16' or 'no', or fp16 params with accel_plugins.enable_master_weights "
-                         "(its overflow decision is shared by every rank)")
-
-
 class AcceleratorMethods:
     """Instance-level replacements of an Accelerator's methods, put back by :meth:`restore`.
 

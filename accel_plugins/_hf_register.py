@@ -1,7 +1,7 @@
 """``register()``: lightning-optim's names in the stock ``transformers.TrainingArguments``, the
 parsers built from it and ``transformers.Trainer``; opt-in, process-wide, undone by ``unregister()``.
 
-Three patches, each undone by :func:`unregister`:
+Four patches, each undone by :func:`unregister`:
 
 - ``OptimizerNames`` (HF's enum of ``optim`` values) gains one member per name of ours that HF does
   not use itself, so ``OptimizerNames("lion")`` works, and ``HfArgumentParser`` (which takes the
@@ -10,6 +10,10 @@ Three patches, each undone by :func:`unregister`:
   ``optim_args`` at construction, as ``accel_plugins.hf.TrainingArguments`` does.
 - ``Trainer.get_optimizer_cls_and_kwargs`` sends our names to ``optimizer_cls_and_kwargs``; HF's
   names go to HF's code as before.
+- ``Trainer.__init__``, ``_save_optimizer_and_scheduler``, ``_load_optimizer_and_scheduler``, ``log`` and
+  the ``onebit_optimizer`` property become ``accel_plugins.hf.Trainer``'s own (``_hf_trainer.py``): a 1-bit
+  optimizer runs with DDP's allreduce off in its compression stage, per-rank checkpoints and byte logs;
+  for any other optimizer they do what HF's do.
 
 Where HF already uses a name (``sgd``, ``stable_adamw``) HF's meaning stays in the stock classes;
 ours is reachable through ``accel_plugins.hf.TrainingArguments``.
@@ -26,6 +30,8 @@ from typing import Any, Callable
 import transformers
 from packaging.version import Version
 
+from accel_plugins._hf_optim import optimizer_cls_and_kwargs
+from accel_plugins._hf_trainer import HF_METHODS, TRAINER_METHODS
 from lightning_optim.catalogue import OPTIMIZERS
 
 __all__ = ["register", "unregister", "MIN_TRANSFORMERS"]
@@ -39,6 +45,7 @@ class _Registration:
     names: tuple[str, ...]  # the values added to OptimizerNames
     post_init: Callable[..., None]
     get_optimizer_cls_and_kwargs: staticmethod
+    trainer_attributes: dict[str, Any]  # transformers.Trainer's own, None where it had none (onebit_optimizer)
 
 
 _registration: _Registration | None = None
@@ -60,6 +67,7 @@ def _missing_internals() -> list[str]:
         missing.append("the staticmethod transformers.Trainer.get_optimizer_cls_and_kwargs")
     if "optimizer_cls_and_kwargs" not in inspect.signature(transformers.Trainer.__init__).parameters:
         missing.append("transformers.Trainer(optimizer_cls_and_kwargs=...)")
+    missing += [f"transformers.Trainer.{name}" for name, original in HF_METHODS.items() if not callable(original)]
     if not callable(vars(transformers.TrainingArguments).get("__post_init__")):
         missing.append("transformers.TrainingArguments.__post_init__")
     return missing
@@ -82,6 +90,12 @@ def _check_supported() -> None:
         raise RuntimeError(f"accel_plugins.hf.register(): transformers {installed} lacks {'; '.join(missing)}: "
                            f"{alternative}, or pass transformers.Trainer(optimizer_cls_and_kwargs="
                            "accel_plugins.hf.optimizer_cls_and_kwargs(args))")
+    # our methods call HF's as accel_plugins found them: installing them over a later replacement would drop it
+    replaced = [name for name, original in HF_METHODS.items() if vars(transformers.Trainer).get(name) is not original]
+    if replaced:
+        raise RuntimeError(f"accel_plugins.hf.register(): {', '.join(f'transformers.Trainer.{n}' for n in replaced)} "
+                           "changed after accel_plugins.hf was imported (another library's patch?), and register() "
+                           f"would drop that change: import accel_plugins.hf after it, or {alternative}")
 
 
 def _optim_value(optim: Any) -> str:
@@ -111,8 +125,6 @@ def _is_ours(args: Any, names: tuple[str, ...]) -> bool:
 
 
 def _checking_post_init(original: Callable[..., None], names: tuple[str, ...]) -> Callable[..., None]:
-    from accel_plugins.hf import optimizer_cls_and_kwargs
-
     enum_cls = _optimizer_names()
 
     @functools.wraps(original)
@@ -129,8 +141,6 @@ def _checking_post_init(original: Callable[..., None], names: tuple[str, ...]) -
 
 
 def _dispatching(original: Callable[..., Any], names: tuple[str, ...]) -> Callable[..., Any]:
-    from accel_plugins.hf import optimizer_cls_and_kwargs
-
     @functools.wraps(original)
     def get_optimizer_cls_and_kwargs(args: Any, *rest: Any, **kwargs: Any) -> tuple[Any, Any]:
         if _is_ours(args, names):
@@ -153,11 +163,14 @@ def register() -> tuple[str, ...]:
     names = tuple(sorted(name for name in OPTIMIZERS if name not in enum_cls._value2member_map_))
     post_init = vars(transformers.TrainingArguments)["__post_init__"]
     get_cls_and_kwargs = vars(transformers.Trainer)["get_optimizer_cls_and_kwargs"]
+    trainer_attributes = {name: vars(transformers.Trainer).get(name) for name in TRAINER_METHODS}
     for name in names:
         _add_member(enum_cls, name)
     transformers.TrainingArguments.__post_init__ = _checking_post_init(post_init, names)
     transformers.Trainer.get_optimizer_cls_and_kwargs = staticmethod(_dispatching(get_cls_and_kwargs.__func__, names))
-    _registration = _Registration(names, post_init, get_cls_and_kwargs)
+    for name, method in TRAINER_METHODS.items():
+        setattr(transformers.Trainer, name, method)
+    _registration = _Registration(names, post_init, get_cls_and_kwargs, trainer_attributes)
     return names
 
 
@@ -172,4 +185,9 @@ def unregister() -> None:
         _remove_member(enum_cls, name)
     transformers.TrainingArguments.__post_init__ = _registration.post_init
     transformers.Trainer.get_optimizer_cls_and_kwargs = _registration.get_optimizer_cls_and_kwargs
+    for name, original in _registration.trainer_attributes.items():
+        if original is None:
+            delattr(transformers.Trainer, name)
+        else:
+            setattr(transformers.Trainer, name, original)
     _registration = None

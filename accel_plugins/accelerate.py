@@ -2,6 +2,7 @@ r"""1-bit communication for Hugging Face Accelerate: one call after ``accelerato
 
     optimizer = accel_plugins.to_onebit_optimizer(torch.optim.AdamW(model.parameters(), lr=3e-4),
                                                   "onebit_adam", freeze_step=100)   # before prepare
+    # or one of your own: lightning_optim.OnebitAdam(model.parameters(), lr=3e-4, freeze_step=100)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     onebit = accel_plugins.enable_onebit(accelerator, model, optimizer)
     # the training loop stays as it is: accelerator.backward, accelerator.accumulate, clip_grad_norm_
@@ -11,7 +12,9 @@ What ``enable_onebit`` does (no math here; see :mod:`lightning_optim.onebit`):
 * registers the switchable allreduce comm hook on the prepared DDP model and, before every
   forward, turns DDP's fp32 allreduce on exactly when the optimizer's next step needs averaged
   gradients (``needs_averaged_grads``): on in warmup, off in the compression stage, where the
-  optimizer's own 1-bit allreduce is the only communication;
+  optimizer's own 1-bit allreduce is the only communication; an optimizer built with
+  ``average_grads=True`` (the classes' default) that has not stepped yet is switched to
+  ``average_grads=False`` (DDP averages its warmup steps), one that has stepped is refused;
 * refuses what would silently break it: a process group of several ranks that Accelerate left
   single-process (``accelerate launch --cpu`` starts one process; ``torchrun`` without
   ``Accelerator(cpu=True)`` on a CPU-only torch leaves Accelerate at ``DistributedType.NO``), an
@@ -49,11 +52,11 @@ from accel_plugins._accelerator import (
     check_ddp_ground,
     check_model,
     check_owned_params,
-    refuse_grad_scaler,
     unwrap_model,
     unwrap_optimizer,
     world,
 )
+from accel_plugins.master_weights import MasterWeightsHandle, refuse_grad_scaler
 from lightning_optim.comm import SwitchableAllreduceState, comm_stats, register_switchable_allreduce
 from lightning_optim.comm.dense import agreed_norm
 from lightning_optim.lightning.convert import to_onebit
@@ -135,8 +138,6 @@ class OnebitHandle:
         previous = self._previous_clip
         if not self.optimizer.averages_local_grads or world()[0] == 1:
             return previous(params, max_norm, norm_type)
-        from accel_plugins.master_weights import MasterWeightsHandle
-
         scaler = getattr(self.accelerator, "scaler", None)
         holders = (scaler._masters_of(params) if isinstance(scaler, MasterWeightsHandle)  # unscaled fp32 grads
                    else [p for p in params if p.grad is not None])
@@ -213,9 +214,11 @@ def load_rank_state(optimizer: OnebitOptimizer, model: nn.Module, directory: str
 
 
 def enable_onebit(accelerator: Any, model: nn.Module, optimizer: Any) -> OnebitHandle:
-    """Turn on 1-bit communication for a prepared model and 1-bit optimizer (see the module doc)."""
-    from accel_plugins.master_weights import MasterWeightsHandle
+    """Turn on 1-bit communication for a prepared model and 1-bit optimizer (see the module doc).
 
+    An optimizer built with ``average_grads=True`` (the classes' default: ``OnebitAdam(model.parameters(),
+    ...)``) that has not stepped yet is switched to ``average_grads=False`` here: DDP's switchable allreduce
+    averages its warmup steps. Once it has stepped it is refused (call this before the first step)."""
     check_accelerator(accelerator)
     check_model(model)
     onebit = unwrap_optimizer(optimizer)
@@ -223,9 +226,11 @@ def enable_onebit(accelerator: Any, model: nn.Module, optimizer: Any) -> OnebitH
         raise TypeError(
             f"optimizer: enable_onebit needs a 1-bit optimizer (OnebitAdam, ZeroOneAdam, OnebitLamb), got "
             f"{type(onebit).__name__}; convert it before accelerator.prepare with accel_plugins.to_onebit_optimizer")
-    if onebit.average_grads:
-        raise ValueError("optimizer: built with average_grads=True (it averages grads itself, in fp32); with DDP "
-                         "build it with average_grads=False, as to_onebit_optimizer does")
+    if onebit.average_grads and _has_stepped(onebit):
+        raise ValueError(
+            f"optimizer: this {type(onebit).__name__} was built with average_grads=True and has already stepped "
+            f"(global_step {onebit.global_step}), averaging its gradients itself beside DDP; call enable_onebit "
+            "right after accelerator.prepare, before the first step (it hands the averaging to DDP then)")
     if isinstance(getattr(vars(accelerator).get("clip_grad_norm_"), "__self__", None), OnebitHandle):
         raise RuntimeError("accelerator: 1-bit communication is already enabled on it")
     scaler = getattr(accelerator, "scaler", None)
@@ -233,10 +238,9 @@ def enable_onebit(accelerator: Any, model: nn.Module, optimizer: Any) -> OnebitH
     refuse_grad_scaler("enable_onebit", accelerator, "decides per rank whether to skip a step; the compression "
                        "stage needs every rank to step together")
     check_ddp_ground("enable_onebit", accelerator, model)
-    switch = None
     handle = OnebitHandle(optimizer=onebit, model=model, switch=None, accelerator=accelerator)
     if isinstance(model, nn.parallel.DistributedDataParallel):
-        try:
+        try:  # the first change: everything above only checked
             switch = register_switchable_allreduce(model, enabled=True)
         except RuntimeError as exc:
             raise ValueError(
@@ -249,6 +253,7 @@ def enable_onebit(accelerator: Any, model: nn.Module, optimizer: Any) -> OnebitH
             switch.enabled = onebit.needs_averaged_grads
 
         handle._handles.append(model.register_forward_pre_hook(set_switch))
+    onebit.average_grads = False  # DDP averages the full-precision steps; averaging again would double the bytes
     handle._methods = AcceleratorMethods(accelerator)
     handle._previous_clip = handle._methods.current("clip_grad_norm_")  # Accelerate's, or master weights'
     handle._methods.replace("clip_grad_norm_", handle.clip_grad_norm_)
@@ -256,6 +261,10 @@ def enable_onebit(accelerator: Any, model: nn.Module, optimizer: Any) -> OnebitH
     handle._handles.append(accelerator.register_load_state_pre_hook(handle._load_hook))
     accelerator.register_for_checkpointing(handle)
     return handle
+
+
+def _has_stepped(optimizer: OnebitOptimizer) -> bool:
+    return optimizer.global_step > 0 or any(bool(state) for state in optimizer.state.values())
 
 
 def _clip_arguments(parameters: Any, max_norm: Any, norm_type: Any) -> list[torch.Tensor]:

@@ -39,7 +39,6 @@ from accel_plugins._accelerator import (
     check_ddp_ground,
     check_model,
     check_owned_params,
-    refuse_grad_scaler,
     unwrap_model,
     unwrap_optimizer,
 )
@@ -171,6 +170,17 @@ class MasterWeightsHandle:
         vars(self.optimizer).pop("step", None)
         if self.accelerator.scaler is self:
             self.accelerator.scaler = None
+
+
+def refuse_grad_scaler(caller: str, accelerator: Any, why: str) -> None:
+    """``mixed_precision="fp16"`` puts torch's GradScaler in ``accelerator.scaler``; a
+    :class:`MasterWeightsHandle` there is ours (here, beside the class: the adapters import both from
+    this module, and ``_accelerator`` stays free of the adapters)."""
+    scaler = getattr(accelerator, "scaler", None)
+    if scaler is not None and not isinstance(scaler, MasterWeightsHandle):
+        raise ValueError(f"{caller}: Accelerator(mixed_precision='fp16') uses torch's GradScaler, which {why}. "
+                         "Use mixed_precision='bf16' or 'no', or fp16 params with accel_plugins.enable_master_weights "
+                         "(its overflow decision is shared by every rank)")
 
 
 def enable_master_weights(accelerator: Any, model: nn.Module, optimizer: Any,

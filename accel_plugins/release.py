@@ -32,9 +32,9 @@ from accel_plugins._accelerator import (
     check_ddp_ground,
     check_model,
     check_owned_params,
-    refuse_grad_scaler,
     unwrap_optimizer,
 )
+from accel_plugins.master_weights import MasterWeightsHandle, refuse_grad_scaler
 from lightning_optim.optim.base import BaseOptimizer
 from lightning_optim.optim.release import prepare_for_gradient_release, remove_gradient_release
 
@@ -84,8 +84,6 @@ def enable_gradient_release(accelerator: Any, model: nn.Module, optimizer: Any) 
         optimizer: the prepared lightning-optim optimizer (not a 1-bit one).
     """
     caller = "enable_gradient_release"
-    from accel_plugins.master_weights import MasterWeightsHandle
-
     check_accelerator(accelerator)
     check_model(model)
     inner = unwrap_optimizer(optimizer)

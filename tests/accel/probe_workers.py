@@ -5,11 +5,10 @@ refused call would make it fail) and trains the ranks identically."""
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import nn
 
+from tests.accel.refusal_workers import new_accelerator
 from tests.distributed import error_text
 
 
@@ -34,8 +33,7 @@ def refused_then_valid(rank: int, world: int) -> dict:
     import accel_plugins
     import lightning_optim as lo
 
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1")
-    accelerator = Accelerator(cpu=True)
+    accelerator = new_accelerator(rank, world, cpu=True)
     out: dict = {"kind": str(accelerator.distributed_type)}
 
     # fp16 master weights on a DDP model

@@ -8,13 +8,22 @@ import torch
 from torch import nn
 
 
-def _setup(rank: int, world: int, **kwargs):
+def new_accelerator(rank: int, world: int, **kwargs):
+    """An Accelerator set up for this call alone: Accelerate keeps its state in class-level singletons, and a
+    rank process reused from an earlier call (the harness's pool) would otherwise keep that call's
+    distributed type (``Accelerator()`` without ``cpu=True`` leaves it at NO)."""
     from accelerate import Accelerator
-
-    import accel_plugins
+    from accelerate.state import AcceleratorState
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1")
-    accelerator = Accelerator(**kwargs)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    return Accelerator(**kwargs)
+
+
+def _setup(rank: int, world: int, **kwargs):
+    import accel_plugins
+
+    accelerator = new_accelerator(rank, world, **kwargs)
     model = nn.Linear(4, 2)
     optimizer = accel_plugins.to_onebit_optimizer(torch.optim.AdamW(model.parameters()), "onebit_adam", freeze_step=2)
     return accelerator, model, optimizer

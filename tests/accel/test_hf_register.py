@@ -4,6 +4,8 @@ gives, refuse bad values by name, and refuse to register on a transformers they 
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
@@ -103,11 +105,15 @@ def test_a_stock_trainer_run_steps_a_registered_optimizer(tmp_path, registered):
     model = _Tiny()
     data = [{"x": torch.randn(4), "labels": torch.randn(())} for _ in range(8)]
     args = _stock_args(tmp_path, optim="onebit_adam", optim_args="freeze_step=1", learning_rate=1e-2, max_steps=3,
-                       per_device_train_batch_size=4)
+                       per_device_train_batch_size=4, logging_steps=1)
     before = model.linear.weight.detach().clone()
     trainer = transformers.Trainer(model=model, args=args, train_dataset=data)
     trainer.train()
     assert type(getattr(trainer.optimizer, "optimizer", trainer.optimizer)) is OPTIMIZERS["onebit_adam"].cls
+    assert trainer.onebit_optimizer is getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+    assert trainer._onebit_handle is None  # one process: no DDP to switch
+    logged = [row["comm/bytes_sent"] for row in trainer.state.log_history if "loss" in row]
+    assert logged == [0.0, 0.0, 0.0]  # the byte logs of accel_plugins.hf.Trainer (nothing sent by one process)
     assert not torch.equal(before, model.linear.weight)
 
 
@@ -122,12 +128,25 @@ def test_bad_names_and_optim_args_are_refused_by_name(tmp_path, registered, opti
         _stock_args(tmp_path, optim=optim, optim_args=optim_args)
 
 
+def test_the_stock_trainer_gets_the_library_trainers_own_methods(registered):
+    # the same functions, not copies: DDP switch, per-rank checkpoints and byte logs as accel_plugins.hf.Trainer
+    for name in ("__init__", "_save_optimizer_and_scheduler", "_load_optimizer_and_scheduler", "log",
+                 "onebit_optimizer"):
+        assert vars(transformers.Trainer)[name] is vars(hf.Trainer)[name], name
+    # which call HF's own methods, once (a class deriving from the patched Trainer does not run them twice)
+    assert vars(hf.Trainer)["log"].__wrapped__ is hf_register.HF_METHODS["log"] is not vars(transformers.Trainer)["log"]
+    assert "optimizer_cls_and_kwargs" in inspect.signature(transformers.Trainer.__init__).parameters
+
+
 def test_unregister_restores_stock_transformers(tmp_path, stock):
     stock = vars(transformers.Trainer)["get_optimizer_cls_and_kwargs"]
+    methods = {name: vars(transformers.Trainer)[name] for name in hf_register.HF_METHODS}
     hf.register()
     hf.unregister()
     hf.unregister()  # a second call is a no-op
     assert vars(transformers.Trainer)["get_optimizer_cls_and_kwargs"] is stock
+    assert {name: vars(transformers.Trainer)[name] for name in hf_register.HF_METHODS} == methods
+    assert not hasattr(transformers.Trainer, "onebit_optimizer")
     assert {o.value for o in OptimizerNames} == HF_NAMES
     with pytest.raises(ValueError, match="lion is not a valid OptimizerNames"):
         _stock_args(tmp_path, optim="lion")
@@ -145,5 +164,12 @@ def test_missing_internals_are_refused_by_name(monkeypatch, stock):
     monkeypatch.delattr(transformers.Trainer, "get_optimizer_cls_and_kwargs")
     with pytest.raises(RuntimeError, match=r"transformers \S+ lacks the staticmethod transformers\.Trainer\."
                                            r"get_optimizer_cls_and_kwargs.*optimizer_cls_and_kwargs"):
+        hf.register()
+    assert "lion" not in {o.value for o in OptimizerNames}
+
+
+def test_a_trainer_method_changed_after_import_is_refused_by_name(monkeypatch, stock):
+    monkeypatch.setattr(transformers.Trainer, "log", lambda self, logs, *args, **kwargs: None)
+    with pytest.raises(RuntimeError, match=r"transformers\.Trainer\.log changed after accel_plugins\.hf was imported"):
         hf.register()
     assert "lion" not in {o.value for o in OptimizerNames}
