@@ -87,6 +87,8 @@ class Adam(BaseOptimizer):
         foreach, kahan_sum, decouple_lr, max_lr, fp32_state: see :class:`BaseOptimizer`.
     """
 
+    _elementwise = True  # element-wise math: a big tensor may step in pieces on the torch path
+
     _compiled_tensor_lr = True  # the step hands a tensor lr to adam_at_step
 
     def __init__(
@@ -145,10 +147,10 @@ class Adam(BaseOptimizer):
             check_flag(flag, group[flag])
 
     def _init_state(self, group: dict[str, Any], p: torch.Tensor, state: dict[str, Any], dtype: torch.dtype) -> None:
-        state["exp_avg"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
-        state["exp_avg_sq"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+        state["exp_avg"] = self._new_state(p, "exp_avg", dtype)
+        state["exp_avg_sq"] = self._new_state(p, "exp_avg_sq", dtype)
         if group["amsgrad"]:
-            state["max_exp_avg_sq"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+            state["max_exp_avg_sq"] = self._new_state(p, "max_exp_avg_sq", dtype)
 
     def _update(self, group: dict[str, Any], batch: Batch, apply: bool) -> None:
         beta1, beta2 = group["betas"]

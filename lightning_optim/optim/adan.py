@@ -57,6 +57,8 @@ class Adan(BaseOptimizer):
         kahan_sum, foreach, fp32_state: see :class:`BaseOptimizer`.
     """
 
+    _elementwise = True  # element-wise math: a big tensor may step in pieces on the torch path
+
     def __init__(
         self,
         params: ParamsT,
@@ -97,7 +99,7 @@ class Adan(BaseOptimizer):
 
     def _init_state(self, group: dict[str, Any], p: torch.Tensor, state: dict[str, Any], dtype: torch.dtype) -> None:
         for key in ("exp_avg", "exp_avg_diff", "exp_avg_sq", "prev_grad"):
-            state[key] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+            state[key] = self._new_state(p, key, dtype)
 
     def _update(self, group: dict[str, Any], batch: Batch, apply: bool) -> None:
         beta1, beta2, beta3 = group["betas"]

@@ -33,8 +33,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_optim import ops
 from lightning_optim.ops.fused import decay_coefficient
-from lightning_optim.optim.batch import LOW_PRECISION, Batch, bucket_slices
+from lightning_optim.optim import batch as batch_module
+from lightning_optim.optim.batch import LOW_PRECISION, Batch, bucket_slices, element_chunks
 from lightning_optim.optim.flat_params import FLAT_GRAD_ATTR
 from lightning_optim.optim.plans import BucketPlans, check_grad
 from lightning_optim.optim.state_dicts import prepare_state_dict
@@ -76,6 +78,10 @@ class BaseOptimizer(BucketPlans, torch.optim.Optimizer):
     _tensor_lr = True
     # The compiled step of this class hands a tensor lr to its custom op (no .item() in the graph).
     _compiled_tensor_lr = False
+    _has_kernel = True  # False: the math is torch ops only, and buckets step in bounded slices
+    # True: the update is element by element and writes only state tensors (no norms, no scalars):
+    # on the torch path a big tensor may step in pieces, so its temporaries stay within a slice
+    _elementwise = False
 
     def __init__(self, params: ParamsT, defaults: dict[str, Any]) -> None:
         self._optimizer_accumulation = False
@@ -205,7 +211,7 @@ class BaseOptimizer(BucketPlans, torch.optim.Optimizer):
             param.grad = None if set_to_none or param.grad is None else param.grad.detach().zero_()
             return
         # Released: the hooks already freed every gradient (under DDP, DDP's finalize wrote the averaged
-        # grads back after the hooks stepped: drop them, see release_ddp). Compiling: torch's zero_grad is
+        # grads back after the hooks stepped: drop them, see comm/ddp_hooks/release.py). Compiling: torch's zero_grad is
         # marked not to be traced (a graph break in every compiled step); set_to_none only drops the grads.
         if self._released or (set_to_none and torch.compiler.is_compiling()):
             for group in self.param_groups:
@@ -271,11 +277,19 @@ class BaseOptimizer(BucketPlans, torch.optim.Optimizer):
             state["step"] = 0
             self._init_state(group, p, state, dtype)
             if self._uses_kahan(group, p):
-                state["kahan_comp"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["kahan_comp"] = self._new_state(p, "kahan_comp", p.dtype)
         return state
 
     def _init_state(self, group: dict[str, Any], p: Tensor, state: dict[str, Any], dtype: torch.dtype) -> None:
-        """Subclasses create their state tensors (in ``dtype``) here."""
+        """Subclasses create their state tensors (in ``dtype``) here, each with :meth:`_new_state`."""
+
+    def _new_state(self, p: Tensor, key: str, dtype: torch.dtype,
+                   memory_format: torch.memory_format = torch.preserve_format) -> Tensor:
+        """A zero-filled state ``key`` for ``p``: its view of the bucket's buffer while a plan is being
+        built (``StateArena``), else a tensor of its own."""
+        arena = self._arena
+        view = arena.take(p, key, dtype) if arena is not None else None
+        return view if view is not None else torch.zeros_like(p, dtype=dtype, memory_format=memory_format)
 
     def _step_params(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor],
                      plan: list | None = None, contiguous: bool = False) -> None:
@@ -285,13 +299,21 @@ class BaseOptimizer(BucketPlans, torch.optim.Optimizer):
                 s["step"] += 1
             step = states[0]["step"]
             try:
-                for a, b in bucket_slices(params, idx, dtype):
+                torch_path = (dtype in LOW_PRECISION or not self._has_kernel
+                              or ops.backend_for(params[idx[0]].device) == "torch")
+                for a, b in bucket_slices(params, idx, torch_path):
                     if b - a == len(params):  # the one bucket, whole: idx is 0..n-1, the lists as they are
                         part_params, part_grads, part_states = params, grads, states
                     else:
                         part = idx[a:b]
                         part_params, part_grads = [params[i] for i in part], [grads[i] for i in part]
                         part_states = states[a:b]
+                    pieces = self._pieces(part_params, part_grads, part_states) if torch_path else None
+                    if pieces is not None:
+                        for piece_param, piece_grad, piece_state in pieces:
+                            self._step_batch(group, [piece_param], [piece_grad], [piece_state], step, dtype,
+                                             apply, None, contiguous)
+                        continue
                     self._step_batch(group, part_params, part_grads, part_states, step, dtype, apply,
                                      self._run_cache(states[a]), contiguous)
             except Exception:
@@ -302,6 +324,15 @@ class BaseOptimizer(BucketPlans, torch.optim.Optimizer):
                     s["step"] -= 1
                 self.__dict__.get("_plans", {}).pop(id(group), None)
                 raise
+
+    def _pieces(self, params: list[Tensor], grads: list[Tensor],
+                states: list[dict[str, Any]]) -> list[tuple[Tensor, Tensor, dict[str, Any]]] | None:
+        """A lone tensor bigger than a slice, cut into element pieces when the math allows it
+        (element-wise, nothing written to the state dict but its tensors, no 16-bit copies to keep)."""
+        if (len(params) != 1 or params[0].numel() <= batch_module.TORCH_PATH_SLICE or not self._elementwise
+                or self._param_copies):
+            return None
+        return element_chunks(params[0], grads[0], states[0])
 
     def _step_batch(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor],
                     states: list[dict[str, Any]], step: int, dtype: torch.dtype, apply: bool,

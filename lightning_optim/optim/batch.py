@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["LOW_PRECISION", "Batch", "TORCH_PATH_SLICE", "bucket_slices"]
+__all__ = ["LOW_PRECISION", "Batch", "TORCH_PATH_SLICE", "bucket_slices", "element_chunks"]
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -68,17 +68,20 @@ class Batch:
         return self.copies
 
 
-# Elements per slice of a bucket whose math runs in torch on 16-bit states (the compiled kernels
-# compute in fp32 only): the foreach path's fp32 temporaries (Kahan's y/old/new, Adam's deltas)
-# are then bounded by a slice (~7 MB), not the bucket (~24 bytes per element: 1.2 GB for 50M bf16 params).
+# Elements per slice of a bucket whose math runs in torch ops (16-bit states, which the compiled
+# kernels do not take; optimizers without a kernel; no extension): the foreach path's temporaries
+# (Kahan's y/old/new, Adam's deltas, RAdam's ratios) are then bounded by a slice (~7 MB), not the
+# bucket (~24 bytes per element: 1.2 GB for 50M bf16 params) -- torch's own for-loop holds one
+# tensor's worth at a time, and the first step's peak must not exceed torch's.
 TORCH_PATH_SLICE = 1 << 18
 
 
-def bucket_slices(params: list[Tensor], idx: list[int], dtype: torch.dtype) -> list[tuple[int, int]]:
-    """Positions ``[(0, len(idx))]`` of a bucket, or runs of about ``TORCH_PATH_SLICE`` elements for 16-bit compute."""
-    if dtype not in LOW_PRECISION or not idx:
+def bucket_slices(params: list[Tensor], idx: list[int], torch_path: bool) -> list[tuple[int, int]]:
+    """Positions ``[(0, len(idx))]`` of a bucket (a kernel streams it whole), or runs of about
+    ``TORCH_PATH_SLICE`` elements when ``torch_path``."""
+    if not torch_path or not idx:
         return [(0, len(idx))]
-    numels = [params[i].numel() for i in idx]  # only on the 16-bit path: the fp32 one stays list-free
+    numels = [params[i].numel() for i in idx]  # only on the torch path: the kernel one stays list-free
     out, start, size = [], 0, 0
     for i, n in enumerate(numels):
         if i > start and size + n > TORCH_PATH_SLICE:
@@ -87,3 +90,19 @@ def bucket_slices(params: list[Tensor], idx: list[int], dtype: torch.dtype) -> l
         size += n
     out.append((start, len(numels)))
     return out
+
+
+def element_chunks(param: Tensor, grad: Tensor, state: dict[str, Any],
+                   size: int | None = None) -> list[tuple[Tensor, Tensor, dict[str, Any]]] | None:
+    """One big tensor as flat pieces of ``size`` elements: ``(param, grad, state)`` views per piece (the
+    state's param-shaped tensors cut alike, its scalars shared), for element-wise math on the torch path,
+    whose temporaries then stay within a piece; None when something is not contiguous."""
+    size = size or TORCH_PATH_SLICE
+    size = max(64, size - size % 64)  # whole vectors: each element meets the same SIMD lane and tail as uncut
+    shaped = {k: v for k, v in state.items() if isinstance(v, Tensor) and v.shape == param.shape}
+    if not all(t.is_contiguous() for t in (param, grad, *shaped.values())):
+        return None
+    flat_p, flat_g = param.view(-1), grad.view(-1)
+    flat_s = {k: v.view(-1) for k, v in shaped.items()}
+    return [(flat_p[a : a + size], flat_g[a : a + size], {**state, **{k: v[a : a + size] for k, v in flat_s.items()}})
+            for a in range(0, param.numel(), size)]

@@ -4,6 +4,7 @@ arXiv 1904.00962): the union of DeepSpeed ``FusedLamb``, ColossalAI ``Lamb`` and
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -194,16 +195,31 @@ class Lamb(BaseOptimizer):
         return None
 
     def _init_state(self, group: dict[str, Any], p: Tensor, state: dict[str, Any], dtype: torch.dtype) -> None:
-        state["exp_avg"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
-        state["exp_avg_sq"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+        state["exp_avg"] = self._new_state(p, "exp_avg", dtype)
+        state["exp_avg_sq"] = self._new_state(p, "exp_avg_sq", dtype)
         state["lamb_coeff"] = torch.ones((), dtype=dtype, device=p.device)
 
     def _after_step(self) -> None:
         self._global_grad_norm = None  # never reused by a later step or step_param
 
     def _before_step(self, work: list[tuple[dict[str, Any], list[Tensor]]]) -> None:
+        self._warn_if_never_trust_scaled()
         if any(group["max_grad_norm"] > 0 and params for group, params in work):
             self._global_grad_norm = _global_norm([p.grad for _, params in work for p in params])
+
+    def _warn_if_never_trust_scaled(self) -> None:
+        """Once: with weight_decay=0 and use_nvlamb=False in every group (HF's Trainer passes
+        weight_decay=0 by default), apex's rule gives no tensor a trust ratio: every step is AdamW's."""
+        if self.__dict__.get("_warned_no_trust") or any(
+                g["adam"] or g["use_nvlamb"] or g["weight_decay"] != 0 for g in self.param_groups):
+            return
+        self._warned_no_trust = True
+        warnings.warn(
+            f"{type(self).__name__}: no param group gets a trust ratio (weight_decay=0 and use_nvlamb=False "
+            "in every group; apex's rule scales only groups with weight decay), so every step is AdamW's; "
+            "set weight_decay > 0 on the groups to scale (HF: --weight_decay 0.01) or use_nvlamb=True",
+            stacklevel=6,
+        )
 
     def _update(self, group: dict[str, Any], batch: Batch, apply: bool) -> None:
         beta1, beta2 = group["betas"]

@@ -99,7 +99,7 @@ class Lars(BaseOptimizer):
 
     def _init_state(self, group: dict[str, Any], p: Tensor, state: dict[str, Any], dtype: torch.dtype) -> None:
         if group["momentum"] != 0:
-            state["momentum_buffer"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+            state["momentum_buffer"] = self._new_state(p, "momentum_buffer", dtype)
 
     def _update(self, group: dict[str, Any], batch: Batch, apply: bool) -> None:
         momentum, wd, clip = group["momentum"], group["weight_decay"], group["grad_clip"]

@@ -47,6 +47,8 @@ class Lion(BaseOptimizer):
         kahan_sum, foreach, fp32_state: see :class:`BaseOptimizer`.
     """
 
+    _elementwise = True  # element-wise math: a big tensor may step in pieces on the torch path
+
     _compiled_tensor_lr = True  # the step hands a tensor lr to lion_at_lr
 
     def __init__(
@@ -82,7 +84,7 @@ class Lion(BaseOptimizer):
         check_betas(group["betas"])
 
     def _init_state(self, group: dict[str, Any], p: torch.Tensor, state: dict[str, Any], dtype: torch.dtype) -> None:
-        state["exp_avg"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+        state["exp_avg"] = self._new_state(p, "exp_avg", dtype)
 
     def _update(self, group: dict[str, Any], batch: Batch, apply: bool) -> None:
         beta1, beta2 = group["betas"]

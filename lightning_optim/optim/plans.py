@@ -17,14 +17,16 @@ from torch import Tensor
 
 from lightning_optim import ops
 from lightning_optim.ops.coalesce import same_items
-from lightning_optim.optim.bucket_states import check_state, pack_states
+from lightning_optim.optim.bucket_states import StateArena, check_state, pack_states
 
 __all__ = ["BucketPlans", "check_grad"]
 
 
 class BucketPlans:
-    """The bucket plans of an optimizer; expects ``self.state``, ``self._plans``, ``self._state_for`` and
-    ``self._compute_dtype`` from ``BaseOptimizer``."""
+    """The bucket plans of an optimizer; expects ``self.state``, ``self._plans``, ``self._state_for``,
+    ``self._state_template``, ``self._uses_kahan`` and the compute dtypes from ``BaseOptimizer``."""
+
+    _arena: StateArena | None = None  # set while a plan build creates states
 
     def _params_with_grad(self, group: dict[str, Any]) -> tuple[list[Tensor], list[Tensor], bool]:
         """The params that have a gradient, those gradients (``p.grad`` is read once: it is not a cheap
@@ -69,7 +71,13 @@ class BucketPlans:
 
     def _build_plan(self, group: dict[str, Any], params: list[Tensor], key: tuple,
                     per_tensor: bool) -> list[tuple[list[int], list[dict], torch.dtype]]:
-        states = [self._state_for(group, p) for p in params]
+        fresh = [p for p in params if not self.state.get(p)]
+        # states made in this build are born in one buffer per bucket and name (no pack-time copy)
+        self._arena = StateArena.for_params(self, group, fresh) if len(fresh) > 1 else None
+        try:
+            states = [self._state_for(group, p) for p in params]
+        finally:
+            self._arena = None
         if per_tensor:
             indices = [[i] for i in range(len(params))]
         else:

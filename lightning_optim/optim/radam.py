@@ -103,6 +103,9 @@ class RAdam(BaseOptimizer):
         foreach, kahan_sum, decouple_lr, max_lr, fp32_state: see :class:`BaseOptimizer`.
     """
 
+    _has_kernel = False  # torch ops only: a bucket steps in bounded slices
+    _elementwise = True  # element-wise math: a big tensor may step in pieces on the torch path
+
     # where Ranger differs: the name of its decoupled-decay flag and where eps enters
     _decoupled_key = "decoupled_weight_decay"
     _eps_on_debiased = False
@@ -150,8 +153,8 @@ class RAdam(BaseOptimizer):
         check_flag(self._decoupled_key, group[self._decoupled_key])
 
     def _init_state(self, group: dict[str, Any], p: Tensor, state: dict[str, Any], dtype: torch.dtype) -> None:
-        state["exp_avg"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
-        state["exp_avg_sq"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+        state["exp_avg"] = self._new_state(p, "exp_avg", dtype)
+        state["exp_avg_sq"] = self._new_state(p, "exp_avg_sq", dtype)
 
     def _update(self, group: dict[str, Any], batch: Batch, apply: bool) -> None:
         decoupled = group[self._decoupled_key] or group["decouple_lr"]

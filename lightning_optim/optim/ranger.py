@@ -74,6 +74,8 @@ class Ranger(RAdam):
         decouple_lr, max_lr, kahan_sum, foreach, fp32_state: see :class:`BaseOptimizer`.
     """
 
+    _elementwise = False  # Lookahead counts its steps in the state dict
+
     _decoupled_key = "decouple_wd"
     _eps_on_debiased = True
 
@@ -123,7 +125,7 @@ class Ranger(RAdam):
 
     def _init_state(self, group: dict[str, Any], p: Tensor, state: dict[str, Any], dtype: torch.dtype) -> None:
         super()._init_state(group, p, state, dtype)
-        state["la_param"] = p.detach().to(dtype, copy=True)
+        state["la_param"] = self._new_state(p, "la_param", dtype).copy_(p.detach())
         state["la_step"] = 0
 
     def _update(self, group: dict[str, Any], batch: Batch, apply: bool) -> None:

@@ -48,6 +48,8 @@ class SGD(BaseOptimizer):
     not used as L2). ``wd_after_momentum`` is ColossalAI/apex FusedSGD's flag.
     """
 
+    _elementwise = True  # element-wise math: a big tensor may step in pieces on the torch path
+
     _compiled_tensor_lr = True  # the step hands a tensor lr to sgd_at_lr
 
     _implied_step = 1  # torch's SGD keeps no step count; a momentum buffer means >= 1 step
@@ -107,7 +109,7 @@ class SGD(BaseOptimizer):
 
     def _init_state(self, group: dict[str, Any], p: torch.Tensor, state: dict[str, Any], dtype: torch.dtype) -> None:
         if group["momentum"] != 0:
-            state["momentum_buffer"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+            state["momentum_buffer"] = self._new_state(p, "momentum_buffer", dtype)
 
     def _update(self, group: dict[str, Any], batch: Batch, apply: bool) -> None:
         l2 = 0.0 if group["decouple_lr"] else group["weight_decay"]

@@ -52,6 +52,9 @@ class SignSGD(BaseOptimizer):
         foreach, kahan_sum, decouple_lr, max_lr, fp32_state: see :class:`BaseOptimizer`.
     """
 
+    _has_kernel = False  # torch ops only: a bucket steps in bounded slices
+    _elementwise = True  # element-wise math: a big tensor may step in pieces on the torch path
+
     def __init__(
         self,
         params: ParamsT,
@@ -99,7 +102,7 @@ class SignSGD(BaseOptimizer):
 
     def _init_state(self, group: dict[str, Any], p: torch.Tensor, state: dict[str, Any], dtype: torch.dtype) -> None:
         if group["momentum"] != 0:
-            state["momentum_buffer"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+            state["momentum_buffer"] = self._new_state(p, "momentum_buffer", dtype)
 
     def _update(self, group: dict[str, Any], batch: Batch, apply: bool) -> None:
         l2 = 0.0 if group["decouple_lr"] else group["weight_decay"]

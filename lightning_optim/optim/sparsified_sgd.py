@@ -120,8 +120,8 @@ class SparsifiedSGD(BaseOptimizer):
 
     def _init_state(self, group: dict[str, Any], p: Tensor, state: dict[str, Any], dtype: torch.dtype) -> None:
         # contiguous, so that the flattened memory is a view
-        state["memory"] = torch.zeros(p.shape, dtype=dtype, device=p.device)
-        state["estimated_w"] = p.detach().to(dtype, copy=True)
+        state["memory"] = self._new_state(p, "memory", dtype, memory_format=torch.contiguous_format)
+        state["estimated_w"] = self._new_state(p, "estimated_w", dtype).copy_(p.detach())
 
     per_tensor = True  # one tensor at a time, in parameter order: the random draws follow it
 

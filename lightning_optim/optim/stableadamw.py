@@ -86,8 +86,8 @@ class StableAdamW(BaseOptimizer):
         check_positive("eps", group["eps"])
 
     def _init_state(self, group: dict[str, Any], p: torch.Tensor, state: dict[str, Any], dtype: torch.dtype) -> None:
-        state["exp_avg"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
-        state["exp_avg_sq"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+        state["exp_avg"] = self._new_state(p, "exp_avg", dtype)
+        state["exp_avg_sq"] = self._new_state(p, "exp_avg_sq", dtype)
 
     def _update(self, group: dict[str, Any], batch: Batch, apply: bool) -> None:
         beta1, beta2 = group["betas"]
