@@ -26,6 +26,9 @@ from lightning_optim.optim import (
 )
 from lightning_optim.precision import DynamicLossScaler, FP16Optimizer, MasterWeights
 
+# prepare_for_gradient_release(ddp_model, ...) dispatches to the DDP comm hook registered there
+import lightning_optim.comm.ddp_hooks.release  # noqa: E402,F401,I001
+
 # Every optimizer of the catalogue at the top level, under its class name (the catalogue is the one list).
 globals().update({_entry.export: _entry.cls for _entry in _OPTIMIZERS.values()})
 

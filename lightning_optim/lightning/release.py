@@ -4,7 +4,7 @@ One device: each param is stepped by a post-accumulate hook during backward and 
 freed at once (peak memory drops by about the gradients' size). ``DDPStrategy``: each bucket's
 params are stepped inside DDP's comm hook right after the bucket is averaged (the step overlaps
 the rest of backward; DDP's bucket buffers persist, so no memory is saved). Both are in
-:mod:`lightning_optim.optim.release` / :mod:`~lightning_optim.optim.release_ddp`; this adapter only
+:mod:`lightning_optim.optim.release` / :mod:`~lightning_optim.comm.ddp_hooks.release`; this adapter only
 wires them in and refuses what cannot work.
 
 ``accumulate_grad_batches > 1``: on one device the non-final micro-batches are accumulated into the

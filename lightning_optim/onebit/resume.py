@@ -15,13 +15,21 @@ recorded during warmup and a plain LAMB has none).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
-if TYPE_CHECKING:
-    from lightning_optim.onebit.base import OnebitOptimizer
+
+class OnebitOptimizer(Protocol):
+    """What the conversion reads of a 1-bit optimizer (``onebit.base.OnebitOptimizer`` has it; this
+    module sits below it and does not import it)."""
+
+    param_groups: list[dict[str, Any]]
+    _plain_state_extras: tuple[str, ...]
+
+    def _schedule_after_plain_steps(self, step: int) -> dict[str, Any]: ...
+    def _world(self) -> tuple[int, int]: ...
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 _ALLOWED = {"step", "exp_avg", "exp_avg_sq", "kahan_comp"}

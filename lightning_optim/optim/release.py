@@ -6,7 +6,8 @@ looks the param group up at call time, so LR schedulers keep driving the update,
 become no-ops, so training loops that call them keep working.
 
 Under DDP pass the ``DistributedDataParallel`` model: the update then runs in DDP's comm hook,
-after each bucket is averaged (:mod:`lightning_optim.optim.release_ddp`). A plain module's
+after each bucket is averaged (:mod:`lightning_optim.comm.ddp_hooks.release`, which extends
+:func:`release_handles` for DDP models). A plain module's
 post-accumulate hooks see the local, un-averaged gradient, so with more than one rank they refuse
 to step. That check holds whenever a hook fires, not only when the hooks are registered: hooks
 prepared before the process group existed (e.g. before ``Accelerator()``) and then run under a
@@ -19,11 +20,13 @@ use ``optimizer_accumulation`` to accumulate instead.
 
 from __future__ import annotations
 
+import functools
+from typing import Any
+
 import torch
 from torch import Tensor, nn
 
 from lightning_optim.optim.base import BaseOptimizer
-from lightning_optim.optim.release_ddp import ReleaseHookState, register_ddp_release
 
 _HANDLES_ATTR = "_lightning_optim_release"
 
@@ -42,7 +45,7 @@ def _refuse_distributed() -> None:
 
 def prepare_for_gradient_release(model: nn.Module, optimizer: BaseOptimizer) -> None:
     """Register per-parameter post-accumulate-grad hooks that step ``optimizer`` (a DDP model: its
-    comm hook steps each averaged bucket instead, see :mod:`~lightning_optim.optim.release_ddp`).
+    comm hook steps each averaged bucket instead, see :mod:`~lightning_optim.comm.ddp_hooks.release`).
 
     Every parameter of ``optimizer`` must belong to ``model``.
     """
@@ -57,25 +60,14 @@ def prepare_for_gradient_release(model: nn.Module, optimizer: BaseOptimizer) -> 
         raise ValueError(f"optimizer: gradient release is not possible: {blocker}")
     if getattr(model, _HANDLES_ATTR, None) is not None:
         raise RuntimeError("model: gradient release is already prepared; call remove_gradient_release first")
-    ddp = isinstance(model, nn.parallel.DistributedDataParallel)
-    if not ddp:
+    if not isinstance(model, nn.parallel.DistributedDataParallel):
         _refuse_distributed()
     model_params = {id(p) for p in model.parameters()}
     opt_params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
     missing = [i for i, p in enumerate(opt_params) if id(p) not in model_params]
     if missing:
         raise ValueError(f"model: {len(missing)} optimizer parameters are not parameters of the model")
-
-    def hook(p: Tensor) -> None:
-        _refuse_distributed()  # the process group may have appeared after the hooks were registered
-        optimizer.step_param(p)
-        p.grad = None
-
-    if ddp:
-        state = register_ddp_release(model, optimizer)
-        handles = [state]
-    else:
-        handles = [p.register_post_accumulate_grad_hook(hook) for p in opt_params]
+    handles = release_handles(model, optimizer, opt_params)
     setattr(model, _HANDLES_ATTR, (handles, optimizer))
     optimizer._released = True
 
@@ -87,11 +79,22 @@ def remove_gradient_release(model: nn.Module) -> None:
         return
     handles, optimizer = prepared
     for handle in handles:
-        if isinstance(handle, ReleaseHookState):  # DDP keeps its comm hook: make it plain averaging
-            handle.active = False
-            handle.forward_hook.remove()
-            handle.drop_stepped_grads()
-        else:
-            handle.remove()
+        handle.remove()
     optimizer._released = False
     delattr(model, _HANDLES_ATTR)
+
+
+@functools.singledispatch
+def release_handles(model: nn.Module, optimizer: BaseOptimizer, params: list[Tensor]) -> list[Any]:
+    """Make ``model``'s backward step ``optimizer``; returns handles with ``remove()``. A plain module:
+    per-parameter post-accumulate-grad hooks, one process only. A DDP model's variant (its comm hook
+    steps each averaged bucket) is registered by ``comm/ddp_hooks/release.py``."""
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        raise RuntimeError("gradient release under DDP needs lightning_optim.comm.ddp_hooks.release (not imported)")
+
+    def hook(p: Tensor) -> None:
+        _refuse_distributed()  # the process group may have appeared after the hooks were registered
+        optimizer.step_param(p)
+        p.grad = None
+
+    return [p.register_post_accumulate_grad_hook(hook) for p in params]

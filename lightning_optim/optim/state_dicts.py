@@ -24,15 +24,28 @@ keys must be the ones this optimizer makes for that param with the loaded hyper-
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
 from lightning_optim.optim.validation import check_generator_state, check_optional_flag
 
-if TYPE_CHECKING:
-    from lightning_optim.optim.base import BaseOptimizer
+
+class BaseOptimizer(Protocol):
+    """What the loading checks read of the optimizer (``optim.base.BaseOptimizer`` has it; this module
+    sits below it and does not import it)."""
+
+    defaults: dict[str, Any]
+    param_groups: list[dict[str, Any]]
+    _implied_step: int | None
+    _per_param_steps: bool
+
+    def _configured_compute_dtype(self, group: dict[str, Any], p: Tensor) -> torch.dtype: ...
+    def _state_keys(self, group: dict[str, Any], p: Tensor) -> tuple[set[str], set[str]]: ...
+    def _state_template(self, group: dict[str, Any], p: Tensor) -> dict[str, Any]: ...
+    def _uses_kahan(self, group: dict[str, Any], p: Tensor) -> bool: ...
+    def _validate_group(self, merged: dict[str, Any]) -> dict[str, Any]: ...
 
 __all__ = ["check_state_tensor", "prepare_state_dict", "step_count"]
 

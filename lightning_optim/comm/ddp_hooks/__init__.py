@@ -34,6 +34,7 @@ from .compressed import CompressionHookState, RandomKHookState, SignSGDHookState
 from .decentralized import DecentralizedHookState, local_gradient_hook
 from .fp16 import FP16CompressHookState, fp16_compress_hook
 from .powersgd import PowerSGDHookState, powersgd_hook
+from .release import ReleaseHookState, register_ddp_release, release_hook
 
 __all__ = [
     "HOOKS",
@@ -50,6 +51,9 @@ __all__ = [
     "powersgd_hook",
     "local_gradient_hook",
     "fp16_compress_hook",
+    "ReleaseHookState",
+    "release_hook",
+    "register_ddp_release",
     "make_state",
     "register_comm_hook",
 ]

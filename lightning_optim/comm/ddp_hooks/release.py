@@ -20,6 +20,9 @@ Rules this follows (found by running it on gloo):
   bounded by ``collective_timeout()``.
 
 Under DDP release saves no memory (DDP's bucket buffers persist); its gain is overlap.
+
+``prepare_for_gradient_release(ddp_model, opt)`` (``optim/release.py``, one floor down) reaches
+:func:`register_ddp_release` through its per-model-type dispatch, which this module extends.
 """
 # no ``from __future__ import annotations``: DDP checks the hook's return annotation at runtime
 import threading
@@ -33,6 +36,7 @@ from lightning_optim.comm.dense import allreduce_mean, world_size
 from lightning_optim.comm.hooks import _bounded, _done
 from lightning_optim.comm.stats import comm_stats
 from lightning_optim.comm.timeouts import collective_timeout
+from lightning_optim.optim.release import release_handles
 
 __all__ = ["ReleaseHookState", "release_hook", "register_ddp_release"]
 
@@ -48,6 +52,12 @@ class ReleaseHookState:
     buckets_stepped: int = 0
     active: bool = True  # False after remove_gradient_release: plain averaging (a hook cannot be unregistered)
     forward_hook: object = None
+
+    def remove(self) -> None:
+        """Back to plain averaging (DDP keeps its comm hook: one cannot be unregistered)."""
+        self.active = False
+        self.forward_hook.remove()
+        self.drop_stepped_grads()
 
     def drop_stepped_grads(self) -> None:
         with self.lock:
@@ -96,3 +106,8 @@ def register_ddp_release(ddp_model: nn.parallel.DistributedDataParallel, optimiz
     ddp_model.register_comm_hook(state, release_hook)
     state.forward_hook = ddp_model.register_forward_pre_hook(lambda module, args: state.drop_stepped_grads())
     return state
+
+
+@release_handles.register
+def _ddp_release_handles(model: nn.parallel.DistributedDataParallel, optimizer, params) -> list:
+    return [register_ddp_release(model, optimizer)]
