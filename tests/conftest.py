@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Callable
 
@@ -12,13 +13,64 @@ from omegaconf import DictConfig
 from lightning_optim.conf_dir import conf_dir
 
 
+def pytest_configure(config):
+    """One intra-op thread for the tests run in this process (unless ``OMP_NUM_THREADS`` says otherwise), as
+    every ``run_workers`` rank has. The tests' tensors are small: a second thread gains little on an idle
+    machine, and on a busy one each parallel op waits for a descheduled thread - measured on 2 cores with two
+    other busy processes, tests/ops/test_optim_kernels.py, test_custom_ops.py, test_master_weights.py and
+    test_tensor_lr.py took 383 s with torch's default 2 threads and 119 s with 1 (at rest: 47 s and 46 s)."""
+    global _THREADS
+    import os
+
+    import torch
+
+    if not os.environ.get("OMP_NUM_THREADS"):
+        _THREADS = 1
+        torch.set_num_threads(_THREADS)
+
+
+_THREADS: int | None = None  # the intra-op threads of this process (None: OMP_NUM_THREADS decides)
+
+
+@pytest.fixture(autouse=True)
+def _intra_op_threads():
+    """Back to one thread after a test that changed it (Lightning sets cores // processes threads when it
+    starts a fit in this process)."""
+    yield
+    if _THREADS is not None:
+        import torch
+
+        if torch.get_num_threads() != _THREADS:
+            torch.set_num_threads(_THREADS)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Stop the persistent gloo ranks of ``tests.distributed.run_workers`` (if any were started)."""
+    import sys
+
+    pool = sys.modules.get("tests.worker_pool")
+    if pool is not None:
+        pool.shutdown()
+
+
+_COMPOSED: dict[tuple[str, ...], DictConfig] = {}  # overrides -> the composed config (never handed out itself)
+
+
 @pytest.fixture
 def compose_train() -> Callable[..., DictConfig]:
-    """Compose ``train.yaml`` with the given overrides, as the command line would."""
+    """Compose ``train.yaml`` with the given overrides, as the command line would.
+
+    Each distinct list of overrides is composed once per session (Hydra's compose takes ~0.1 s, and the
+    config probes compose the same options hundreds of times); every call gets its own deep copy, so a test
+    that edits its config changes nothing another test sees. Interpolations stay unresolved in the copy
+    (``${oc.env:...}`` reads the environment when the test resolves it, as before)."""
 
     def _compose(*overrides: str) -> DictConfig:
-        with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
-            return compose(config_name="train", overrides=list(overrides))
+        key = tuple(overrides)
+        if key not in _COMPOSED:
+            with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+                _COMPOSED[key] = compose(config_name="train", overrides=list(overrides))
+        return copy.deepcopy(_COMPOSED[key])
 
     return _compose
 

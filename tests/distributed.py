@@ -2,12 +2,25 @@
 
     results = run_workers(2, my_fn, 3.0, timeout=60)   # my_fn(rank, world_size, 3.0) on each rank
 
-Each worker is a fresh process (``spawn`` start method) that joins a gloo process group over TCP
-on 127.0.0.1 (a free port picked by the parent), sets ``torch.set_num_threads(1)`` and calls
-``fn(rank, world_size, *args)``. ``fn`` must be a module-level (picklable) function; its return
-value must be picklable (tensors are fine: they travel as pickled bytes, not shared memory).
+Each rank joins a gloo process group over TCP on 127.0.0.1 (a free port picked by the parent, a new one
+per call), sets ``torch.set_num_threads(1)`` and calls ``fn(rank, world_size, *args)``. ``fn`` must be a
+module-level (picklable) function; its return value must be picklable (tensors are fine: they travel as
+pickled bytes, not shared memory).
 
-Failure handling:
+Where the ranks run:
+* by default on persistent ranks (``tests/worker_pool.py``), started once per pytest process and reused:
+  rank ``r`` is always the same process; each call gets a new process group over a new TCP store, the
+  parent's current environment and cwd, fresh random seeds, and leaves the rank's process state as it
+  found it (environment, cwd, torch's global flags, lightning-optim's module globals and counters); a
+  call that fails, dies or times out replaces its ranks. ``timeout`` counts from the moment the ranks
+  are running (their start-up has its own bound);
+* ``fresh=True``: new processes (``spawn`` start method) for this call alone. The default where a rank
+  is meant to die (``missing_ok=True``) or the call sets environment variables (``env=``: a module an
+  earlier call imported would not read them again). Give it where a call's collectives are meant to time
+  out, or where it tests what happens at a process's start. ``LIGHTNING_OPTIM_TEST_POOL=0`` makes every
+  call fresh (and ``LIGHTNING_OPTIM_TEST_POOL_LOG=<file>`` logs the pool's starts, calls and retirements).
+
+Failure handling (both ways):
 * a rank that raises -> ``WorkerError`` carrying that rank's traceback text (the other ranks are
   given a short grace period to report their own errors, then killed);
 * ``timeout`` seconds pass (whole run) -> every process is killed and ``TimeoutError`` is raised;
@@ -17,7 +30,7 @@ Failure handling:
   its entry in the returned list is ``None`` (for tests that make a rank die on purpose).
 
 ``pg_timeout`` is the process group's collective timeout (default: ``timeout``); ``env`` is applied
-to ``os.environ`` in each child before the process group is created.
+to ``os.environ`` in each rank before the process group is created.
 """
 from __future__ import annotations
 
@@ -33,9 +46,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as tmp
 
+from tests import worker_pool
+
 __all__ = ["run_workers", "run_torchrun", "torchrun_results", "free_port", "error_text", "WorkerError"]
 
 _ERROR_GRACE_S = 3.0
+POOL_ENV = "LIGHTNING_OPTIM_TEST_POOL"  # "0": every call in fresh processes
 
 
 class WorkerError(RuntimeError):
@@ -138,15 +154,46 @@ def run_workers(
     env: dict | None = None,
     pg_timeout: float | None = None,
     missing_ok: bool = False,
+    fresh: bool | None = None,
 ) -> list:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return results by rank."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    pg_timeout = float(timeout if pg_timeout is None else pg_timeout)
+    if fresh is None:
+        fresh = missing_ok or env is not None or os.environ.get(POOL_ENV, "1").strip() == "0"
+    outcome = None
+    if not fresh:
+        try:
+            payload = pickle.dumps(dict(fn=fn, args=args, env=env, world_size=world_size, port=free_port(),
+                                        pg_timeout=pg_timeout, environ=dict(os.environ), cwd=os.getcwd()))
+        except (pickle.PicklingError, AttributeError, TypeError):
+            payload = None  # arguments only the spawn pickler takes (shared-memory handles): fresh processes
+        if payload is not None:
+            try:
+                outcome = worker_pool.pool().run(world_size, fn.__name__, payload, timeout=timeout)
+            except worker_pool.PoolUnavailable:
+                outcome = None  # the ranks could not start: fresh processes
+    if outcome is None:
+        worker_pool.log(f"fresh {fn.__name__} on {world_size} ranks")
+        outcome = _run_fresh(world_size, fn, args, timeout=timeout, env=env, pg_timeout=pg_timeout,
+                             missing_ok=missing_ok)
+    outputs, errors = outcome
+    if errors:
+        detail = "".join(f"\n--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
+        raise WorkerError(
+            f"run_workers({fn.__name__}): rank(s) {sorted(errors)} failed:" + detail
+        )
+    return [outputs[r] for r in range(world_size)]
+
+
+def _run_fresh(world_size: int, fn, args: tuple, *, timeout: float, env, pg_timeout: float,
+               missing_ok: bool) -> tuple[dict, dict]:
+    """One fresh spawned process per rank; ``(outputs, errors)`` by rank."""
     ctx = tmp.get_context("spawn")
     results = ctx.Queue()
     all_reported = ctx.Event()
     port = free_port()
-    pg_timeout = float(timeout if pg_timeout is None else pg_timeout)
     procs = [
         ctx.Process(
             target=_worker,
@@ -210,9 +257,4 @@ def run_workers(
         _kill(procs)
         results.close()
 
-    if errors:
-        detail = "".join(f"\n--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
-        raise WorkerError(
-            f"run_workers({fn.__name__}): rank(s) {sorted(errors)} failed:" + detail
-        )
-    return [outputs[r] for r in range(world_size)]
+    return outputs, errors

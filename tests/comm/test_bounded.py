@@ -54,9 +54,17 @@ def _ddp_backward(ddp_group):
 def _one_rank_never_calls(rank, world):
     groups = [dist.new_group([0, 1], timeout=SLOW) for _ in range(4)]
     backward = _ddp_backward(groups[3])
+    store = dist.distributed_c10d._get_default_store()  # the rendezvous store: no collective, no group
     if rank == 1:
-        time.sleep(3 * BOUND_S + 12)  # alive, never joins
+        store.wait(["rank 0 is done"], SLOW)  # alive, never joins: until rank 0 has seen every bound fire
         return None
+    try:
+        return _bounded_report(backward, groups)
+    finally:
+        store.set("rank 0 is done", "1")
+
+
+def _bounded_report(backward, groups):
     set_collective_timeout(BOUND_S)
     report = {}
     names = list(_entry_points(None))
@@ -72,7 +80,8 @@ def _one_rank_never_calls(rank, world):
 
 
 def test_every_entry_point_is_bounded_without_a_group_timeout():
-    out = run_workers(2, _one_rank_never_calls, timeout=120, pg_timeout=SLOW.total_seconds())
+    # fresh ranks: rank 0's collectives time out on purpose, leaving gloo work behind no later call should meet
+    out = run_workers(2, _one_rank_never_calls, timeout=120, pg_timeout=SLOW.total_seconds(), fresh=True)
     report = out[0]
     assert set(report) == {"all_gather(sizes)", "all_reduce", "all_gather(probe)", "DDP bucket all_reduce"}
     for name, (message, elapsed) in report.items():

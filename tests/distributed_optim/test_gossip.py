@@ -233,7 +233,8 @@ def test_bad_topologies_raise_the_same_error_on_every_rank():
 
 
 def test_a_silent_neighbour_is_reported_within_the_bound():
-    results = run_workers(3, gw.silent_neighbour, 2.0, timeout=60)
+    # fresh ranks: the neighbours' exchanges time out on purpose (no later call should meet what is left)
+    results = run_workers(3, gw.silent_neighbour, 2.0, timeout=60, fresh=True)
     assert results[2] == "silent"
     for rank in (0, 1):
         kind, elapsed, message = results[rank]

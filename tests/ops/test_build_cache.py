@@ -41,12 +41,21 @@ PyMODINIT_FUNC PyInit_lo_tiny(void) {
 }
 """
 
+# ``build_lock`` in a child process without importing all of lightning_optim (the package's import is most
+# of such a process's start-up; _build_lock needs only the standard library): the same file, by its path.
+IMPORT_BUILD_LOCK = f"""
+import importlib.util, sys
+_spec = importlib.util.spec_from_file_location("_lo_build_lock", {str(Path(_build_lock.__file__))!r})
+_module = sys.modules["_lo_build_lock"] = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_module)
+build_lock = _module.build_lock
+"""
+
 # One process building the tiny module as _build builds ours: load() inside build_lock.
-TINY_BUILD = """
+TINY_BUILD = IMPORT_BUILD_LOCK + """
 import sys
 from pathlib import Path
 from torch.utils.cpp_extension import load
-from lightning_optim.ops._build_lock import build_lock
 build_dir, source = Path(sys.argv[1]), sys.argv[2]
 with build_lock(build_dir):
     module = load(name="lo_tiny", sources=[source], build_directory=str(build_dir))
@@ -60,6 +69,13 @@ case " $* " in
 esac
 exec {real} "$@"
 """
+
+
+def _interruptible() -> None:
+    """SIGINT back to its default in the child: a shell without job control starts background jobs (a CI
+    step, ``cmd &``) with SIGINT ignored, the child would inherit that, and Python then installs no
+    KeyboardInterrupt handler - the SIGINT case below would wait for a build that never stops."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 @dataclass
@@ -91,7 +107,8 @@ class TinyBuild:
         """A build in its own session (so its leftovers can be found and ended), output in files."""
         out = open(self.root / f"{tag}.out", "w")  # noqa: SIM115 (closed by the child's exit)
         err = open(self.root / f"{tag}.err", "w")  # noqa: SIM115
-        return subprocess.Popen(self.command(), env=self.env, stdout=out, stderr=err, start_new_session=True)
+        return subprocess.Popen(self.command(), env=self.env, stdout=out, stderr=err, start_new_session=True,
+                                preexec_fn=_interruptible)
 
     def stderr(self, tag: str) -> str:
         return (self.root / f"{tag}.err").read_text()
@@ -206,10 +223,9 @@ def test_two_processes_build_once(tiny: TinyBuild):
     assert tiny.compiles() == 1  # the waiter found the module built
 
 
-HOLD = """
+HOLD = IMPORT_BUILD_LOCK + """
 import sys
 from pathlib import Path
-from lightning_optim.ops._build_lock import build_lock
 with build_lock(Path(sys.argv[1])):
     sys.stdin.read()
 """

@@ -40,19 +40,35 @@ def ulps(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> float:
     return ((a - b).abs() / torch.exp2(exp - mant)).max().item()
 
 
+def _flat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.detach().cpu().reshape(-1) for t in tensors])
+
+
+def _assert_all_close(got: list[torch.Tensor], want: list[torch.Tensor], msg: str, **tol) -> None:
+    """``assert_close`` of every pair at once: dtypes and shapes pair by pair, values element by element on
+    the concatenation (the same element-wise check as pair by pair, in one call instead of hundreds for
+    the many-small layout)."""
+    assert [(t.dtype, t.shape) for t in got] == [(t.dtype, t.shape) for t in want], msg
+    torch.testing.assert_close(_flat(got), _flat(want), **tol, msg=lambda detail: f"{msg}: {detail}")
+
+
 def compare(spec, backend, dtype, extra, monkeypatch, **kw):
     got, opt_k = run(spec, backend, dtype, extra, monkeypatch, device=device_of(backend), **kw)
     want, opt_t = run(spec, "torch", dtype, extra, monkeypatch, **kw)
+    if dtype == torch.float32:
+        _assert_all_close(got, want, f"{spec}: params", rtol=1e-6, atol=1e-7)
+    else:
+        assert [(p.dtype, p.shape) for p in got] == [(q.dtype, q.shape) for q in want]
+        assert ulps(_flat(got), _flat(want), dtype) <= 2, f"{spec}: params differ by more than 2 ulps"
+    # states: fp32 math; with 16-bit params an ulp flip of p feeds back through L2/decay terms
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-3, atol=1e-4)
+    pairs: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # key -> (kernel's, torch's), param by param
     for p, q in zip(got, want):
-        if dtype == torch.float32:
-            torch.testing.assert_close(p.detach().cpu(), q.detach(), rtol=1e-6, atol=1e-7)
-        else:
-            assert ulps(p, q, dtype) <= 2, f"{spec}: params differ by more than 2 ulps"
-        # states: fp32 math; with 16-bit params an ulp flip of p feeds back through L2/decay terms
-        tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-3, atol=1e-4)
         for key, value in opt_t.state[q].items():
             if isinstance(value, torch.Tensor) and value.is_floating_point() and key != "kahan_comp":
-                torch.testing.assert_close(opt_k.state[p][key].cpu(), value, **tol, msg=f"{spec} {key}")
+                pairs.setdefault(key, []).append((opt_k.state[p][key], value))
+    for key, both in pairs.items():
+        _assert_all_close([a for a, _ in both], [b for _, b in both], f"{spec} {key}", **tol)
 
 
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS)
