@@ -248,6 +248,8 @@ def enable_onebit(accelerator: Any, model: nn.Module, optimizer: Any) -> OnebitH
                 "enable_onebit registers the switchable allreduce hook itself: remove the other one") from exc
         handle.switch = switch
         onebit.ddp_allreduce_managed = True
+        if onebit.hierarchical:  # the warmup's DDP average goes through the node hierarchy too
+            switch.average = onebit.average_
 
         def set_switch(module: nn.Module, args: Any) -> None:
             switch.enabled = onebit.needs_averaged_grads

@@ -13,11 +13,16 @@ returned untouched, so ``param.grad`` holds this rank's own gradient and the opt
 Bounded: each bucket's future fails with ``CommunicationError`` after ``collective_timeout()``
 seconds, also when the process group has torch's 30-minute default.
 
+``average``: a function that averages a flat fp32 tensor in place over the group in its own way (a
+hierarchical 1-bit optimizer's ``average_``: reduce-scatter in the node, mean across nodes, all-gather in the
+node); the bucket is then averaged by it, synchronously, instead of by one flat allreduce.
+
 Works on CPU/gloo: register it yourself after wrapping the model (Lightning's ``DDPStrategy``
 ignores ``ddp_comm_hook`` on CPU). ``register_switchable_allreduce`` does both steps.
 """
 # no ``from __future__ import annotations``: DDP checks the hook's return annotation at runtime
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -37,6 +42,7 @@ class SwitchableAllreduceState:
     group: object = None
     enabled: bool = True
     stats: CommStats | None = None
+    average: Callable[[torch.Tensor], object] | None = None  # in place, flat fp32 (e.g. hierarchical)
     buckets_reduced: int = field(default=0)
     buckets_skipped: int = field(default=0)
 
@@ -56,6 +62,12 @@ def switchable_allreduce_hook(state: SwitchableAllreduceState, bucket) -> torch.
     state.buckets_reduced += 1
     w = world_size(state.group)
     if w == 1:
+        return _done(buffer)
+    if state.average is not None:
+        flat = buffer.view(-1) if buffer.dtype == torch.float32 and buffer.is_contiguous() else buffer.float().view(-1)
+        state.average(flat)
+        if flat.data_ptr() != buffer.data_ptr():
+            buffer.copy_(flat.view(buffer.shape))
         return _done(buffer)
     if buffer.dtype in (torch.bfloat16, torch.float16):
         # gloo cannot reduce bf16: synchronous upcast path

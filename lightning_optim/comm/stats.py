@@ -17,6 +17,9 @@ compression ratio seen on the wire.
 switched DDP's allreduce off (no adapter, no ``ddp_allreduce_managed``): DDP's own fp32 allreduce
 may have run beside it unseen, so from the first such step ``compression_ratio`` is NaN (unknown)
 rather than a saving the wire never saw.
+
+``intra_node_bytes``: the part of ``bytes_sent`` that stayed inside a node (the hierarchical exchanges of
+``hierarchy.py``: fp32 reduce-scatter and all-gather among a node's ranks); ``inter_node_bytes`` is the rest.
 """
 from __future__ import annotations
 
@@ -42,6 +45,7 @@ class CommStats:
     full_precision_calls: int = 0
     control_calls: int = 0  # small agreement checks (sizes, layouts): bytes sent, no fp32 equivalent
     unmanaged_steps: int = 0  # 1-bit steps beside a DDP allreduce nobody switched off: bytes may be missing
+    intra_node_bytes: int = 0  # part of bytes_sent sent to ranks of the same node (hierarchical exchanges)
 
     def add_compressed(self, bytes_sent: int, numel: int, world_size: int) -> None:
         self.bytes_sent += int(bytes_sent)
@@ -59,6 +63,22 @@ class CommStats:
         self.bytes_sent += int(bytes_sent)
         self.fp32_equivalent_bytes += ring_allreduce_bytes(numel, world_size)
         self.full_precision_calls += 1
+
+    def add_hierarchical(self, intra_bytes: int, inter: "CommStats", numel: int, world_size: int) -> None:
+        """One hierarchical average of ``numel`` elements over ``world_size`` ranks: ``intra_bytes`` inside the
+        node plus what the inter-node exchange (counted in ``inter``) sent; its fp32 equivalent is the flat
+        ring allreduce's over the whole world."""
+        self.bytes_sent += int(intra_bytes) + inter.bytes_sent
+        self.intra_node_bytes += int(intra_bytes)
+        self.fp32_equivalent_bytes += ring_allreduce_bytes(numel, world_size)
+        self.compressed_calls += inter.compressed_calls
+        self.full_precision_calls += inter.full_precision_calls or (0 if inter.compressed_calls else 1)
+        self.control_calls += inter.control_calls
+
+    @property
+    def inter_node_bytes(self) -> int:
+        """``bytes_sent`` that left the node (all of it outside hierarchical exchanges)."""
+        return self.bytes_sent - self.intra_node_bytes
 
     def add_control(self, bytes_sent: int) -> None:
         self.bytes_sent += int(bytes_sent)
@@ -85,6 +105,7 @@ class CommStats:
     def as_dict(self) -> dict:
         d = {f.name: getattr(self, f.name) for f in fields(self)}
         d["compression_ratio"] = self.compression_ratio
+        d["inter_node_bytes"] = self.inter_node_bytes
         return d
 
 

@@ -56,6 +56,7 @@ class _OnebitStrategyMixin(_AgreedClipMixin, _PerRankCheckpointMixin, _ByteCount
         knobs: dict[str, Any],
         timeout: float | timedelta = DEFAULT_TIMEOUT_S,
         telemetry: bool = True,
+        hierarchical: bool | int = False,
         **kwargs: Any,
     ) -> None:
         name = type(self).__name__
@@ -68,7 +69,7 @@ class _OnebitStrategyMixin(_AgreedClipMixin, _PerRankCheckpointMixin, _ByteCount
             kwargs.pop(key, None)
         if not isinstance(telemetry, bool):
             raise TypeError(f"{name}: telemetry must be True or False, got {telemetry!r}")
-        self._knobs = {k: v for k, v in knobs.items() if v is not None}
+        self._knobs = {k: v for k, v in {**knobs, "hierarchical": hierarchical}.items() if v is not None}
         try:  # the optimizer's own checks name the argument and its range
             self.optimizer_class([torch.zeros(1, requires_grad=True)], **self._knobs)
         except (TypeError, ValueError) as exc:
@@ -125,6 +126,8 @@ class _OnebitStrategyMixin(_AgreedClipMixin, _PerRankCheckpointMixin, _ByteCount
             raise ValueError(
                 f"{type(self).__name__} needs exactly one optimizer from configure_optimizers, got {len(self.optimizers)}"
             )
+        if self._knobs.get("hierarchical") is True:  # Lightning sets no LOCAL_WORLD_SIZE: its devices per node
+            self._knobs["hierarchical"] = self.num_processes
         old = self.optimizers[0]
         new = self._adopt(old)
         if new is not old:
@@ -132,6 +135,8 @@ class _OnebitStrategyMixin(_AgreedClipMixin, _PerRankCheckpointMixin, _ByteCount
             self.optimizers = [new]
         self._onebit = new
         new.ddp_allreduce_managed = True  # the switchable hook follows needs_averaged_grads
+        if new.hierarchical and self._switch is not None:  # the warmup's DDP average is hierarchical too
+            self._switch.average = new.average_
         self._trained_numel = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
 
     def _adopt(self, optimizer: torch.optim.Optimizer) -> OnebitOptimizer:
@@ -204,6 +209,9 @@ class _OnebitAdamMixin(_OnebitStrategyMixin):
         overlap_unit_mb: the size of a compression unit with ``overlap`` (None: DDP's ``bucket_cap_mb``).
         timeout: collective timeout in seconds (or a ``timedelta``).
         telemetry: log ``comm/*`` metrics per step (adds :class:`CommTelemetry`).
+        hierarchical: False, True (nodes of ``LOCAL_WORLD_SIZE`` ranks) or the ranks per node: fp32 inside a
+            node, 1-bit across nodes, in the warmup's DDP average too (``OnebitAdam``'s ``hierarchical``);
+            not with ``overlap``.
         **kwargs: ``DDPStrategy`` arguments.
     """
 
@@ -265,7 +273,7 @@ class _ZeroOneAdamMixin(_OnebitStrategyMixin):
     Args:
         var_freeze_step, var_update_scaler, local_step_scaler, local_step_clipper, auto_mask:
             ``ZeroOneAdam``'s (its defaults when None).
-        timeout, telemetry, **kwargs: as :class:`OnebitAdamStrategy`.
+        timeout, telemetry, hierarchical, **kwargs: as :class:`OnebitAdamStrategy`.
     """
 
     optimizer_class = ZeroOneAdam
@@ -292,7 +300,7 @@ class _OnebitLambMixin(_OnebitStrategyMixin):
     Args:
         freeze_step, coeff_beta, factor_max, factor_min, factor_threshold, auto_mask: ``OnebitLamb``'s
             (its defaults when None).
-        timeout, telemetry, **kwargs: as :class:`OnebitAdamStrategy`.
+        timeout, telemetry, hierarchical, **kwargs: as :class:`OnebitAdamStrategy`.
     """
 
     optimizer_class = OnebitLamb

@@ -78,6 +78,11 @@ class OnebitAdam(CompressionUnitsMixin, OnebitOptimizer):
         cuda_aware, comm_backend_name: DeepSpeed config compatibility; no effect (warns when
             not the default).
         process_group: the ranks to average over (None: the default group).
+        hierarchical: False (flat: every rank in one 1-bit exchange), True (nodes of ``LOCAL_WORLD_SIZE``
+            ranks, torchrun's) or the number of ranks per node: the momenta (and the warmup's gradients when
+            ``average_grads``) are reduce-scattered inside each node in fp32, each shard is averaged across
+            nodes (1-bit with this rank's error buffers for its shard, or fp32 in the warmup) and all-gathered
+            in the node (``lightning_optim.comm.hierarchy``). Not with compression units (``overlap``).
         average_grads: average full-precision gradients over ranks inside :meth:`step` when
             they are needed (see above).
         kahan_sum: Kahan-compensated updates of fp16/bf16 params (None: on for those dtypes).
@@ -118,6 +123,7 @@ class OnebitAdam(CompressionUnitsMixin, OnebitOptimizer):
         kahan_sum: bool | None = None,
         auto_mask: bool | float = True,
         gradient_release: bool = False,
+        hierarchical: bool | int = False,
     ) -> None:
         if check_flag("amsgrad", amsgrad):
             raise ValueError("amsgrad: 1-bit Adam does not support the AMSGrad variant; leave amsgrad=False")
@@ -141,6 +147,7 @@ class OnebitAdam(CompressionUnitsMixin, OnebitOptimizer):
             comm_backend_name=comm_backend_name,
             auto_mask=auto_mask,
             gradient_release=gradient_release,
+            hierarchical=hierarchical,
         )
         self._init_units()
 

@@ -21,7 +21,9 @@ from torch import Tensor
 
 from lightning_optim import ops
 from lightning_optim.comm import allreduce_mean, check_process_group, gather_rows
+from lightning_optim.comm.compressors.hierarchical import HierarchicalOnebitCompressor
 from lightning_optim.comm.compressors.onebit import OnebitCompressor
+from lightning_optim.comm.hierarchy import check_hierarchical
 from lightning_optim.distributed.communicating import CommunicatingOptimizer
 from lightning_optim.onebit.checkpoint import OnebitStateDictMixin
 from lightning_optim.onebit.layout import Layout
@@ -83,8 +85,10 @@ class OnebitOptimizer(CommunicatingOptimizer, OnebitStateDictMixin, MomentumMask
         comm_backend_name: str,
         auto_mask: bool | float = True,
         gradient_release: bool = False,
+        hierarchical: bool | int = False,
     ) -> None:
         self.average_grads = check_flag("average_grads", average_grads)
+        self.hierarchical = check_hierarchical(hierarchical)
         self.auto_mask = _auto_mask_ratio(auto_mask)
         self.process_group = check_process_group("process_group", process_group)
         self._check_compat(cuda_aware, comm_backend_name, defaults.get("max_grad_norm", 0.0))
@@ -93,7 +97,8 @@ class OnebitOptimizer(CommunicatingOptimizer, OnebitStateDictMixin, MomentumMask
         self._flats: dict[str, Tensor] = {}
         self._flat_views: dict[str, list[Tensor]] = {}
         self._param_grads: list[Tensor | None] | None = None
-        self.compressor = OnebitCompressor()  # its error buffers are this rank's own
+        # its error buffers are this rank's own (hierarchical: for this rank's shard of its node's mean)
+        self.compressor = HierarchicalOnebitCompressor(self.hierarchical) if self.hierarchical else OnebitCompressor()
         super().__init__(params, {**defaults, "gradient_release": gradient_release})
 
     # ------------------------------------------------------------------ arguments
@@ -372,9 +377,19 @@ class OnebitOptimizer(CommunicatingOptimizer, OnebitStateDictMixin, MomentumMask
 
     # ------------------------------------------------------------------ communication
     def _average_(self, flat: Tensor) -> None:
-        """Full-precision mean over ranks, in place (nothing on one rank)."""
+        """Full-precision mean over ranks, in place (nothing on one rank); ``hierarchical``: reduce-scatter in
+        the node, mean across nodes, all-gather in the node (``comm/hierarchy.py``)."""
         if self._world()[0] > 1 and flat.numel():
-            allreduce_mean(flat, group=self.process_group)
+            if self.hierarchical:
+                self.compressor.average_flat_(flat, group=self.process_group)
+            else:
+                allreduce_mean(flat, group=self.process_group)
+
+    def average_(self, flat: torch.Tensor) -> torch.Tensor:
+        """The warmup's full-precision mean of a flat fp32 vector over ``process_group``, in place, as this
+        optimizer averages (hierarchically when ``hierarchical``): what a DDP comm hook calls for a bucket."""
+        self._average_(flat)
+        return flat
 
     def _compress_(self, flat: Tensor, momentum: tuple[list[Tensor], float] | None = None) -> None:
         """Error-compensated 1-bit mean over ranks, in place (nothing on one rank); each param's

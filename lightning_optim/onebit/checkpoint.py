@@ -23,9 +23,12 @@ class OnebitStateDictMixin:
         """Error buffers restored from another rank or world size carry another rank's residue."""
         if not self.compressor.belongs_here(self.process_group):
             world, rank = self.compressor.origin
-            self._warn_errors_reset(
-                f"they were saved by rank {rank} of {world} and this is rank {self._world()[1]} of {self._world()[0]}"
-            )
+            if (world, rank) == self._world():
+                self._warn_errors_reset(f"they were made for nodes of {self.compressor.made_per_node} rank(s) and "
+                                        f"this run exchanges in nodes of {self.compressor._per_node_now(self.process_group)}")
+            else:
+                self._warn_errors_reset(f"they were saved by rank {rank} of {world} and this is rank "
+                                        f"{self._world()[1]} of {self._world()[0]}")
 
     # Compression units (units.py) keep their own error buffers; optimizers without units have none.
     def _units_state(self) -> dict[str, Any] | None:
@@ -82,6 +85,7 @@ class OnebitStateDictMixin:
             "rank": origin[1],
             "worker_error": errors["worker_error"],
             "server_error": errors["server_error"],
+            "per_node": errors.get("per_node"),  # hierarchical: the node size the error buffers were made for
             "units": self._units_state(),  # per DDP bucket (units.py), None for the whole-model call
         }
         return sd
@@ -102,7 +106,7 @@ class OnebitStateDictMixin:
         schedule = {**self._schedule_keys_added_since(onebit["schedule"]), **onebit["schedule"]}
         if set(schedule) != set(self._sched):
             raise ValueError(f"state_dict: schedule keys {sorted(schedule)} differ from {sorted(self._sched)}")
-        errors = {key: onebit.get(key) for key in ("worker_error", "server_error", "world_size", "rank")}
+        errors = {key: onebit.get(key) for key in ("worker_error", "server_error", "world_size", "rank", "per_node")}
         try:
             self.compressor.check_state(errors)
         except (TypeError, ValueError) as exc:

@@ -74,7 +74,7 @@ class OnebitLamb(OnebitOptimizer):
 
     Args:
         lr, freeze_step, bias_correction, betas, eps, eps_inside_sqrt, max_grad_norm, amsgrad,
-            cuda_aware, comm_backend_name, process_group, average_grads, kahan_sum, auto_mask:
+            cuda_aware, comm_backend_name, process_group, average_grads, kahan_sum, auto_mask, hierarchical:
             as :class:`~lightning_optim.onebit.OnebitAdam` (a plain ``Lamb``/``FusedLamb`` state dict
             loads only before ``freeze_step``: the frozen trust ratios are recorded in warmup).
         weight_decay: decay :math:`\lambda` >= 0 inside the LAMB update.
@@ -117,6 +117,7 @@ class OnebitLamb(OnebitOptimizer):
         kahan_sum: bool | None = None,
         auto_mask: bool | float = True,
         gradient_release: bool = False,
+        hierarchical: bool | int = False,
     ) -> None:
         if check_flag("amsgrad", amsgrad):
             raise ValueError("amsgrad: 1-bit LAMB does not support the AMSGrad variant; leave amsgrad=False")
@@ -148,6 +149,7 @@ class OnebitLamb(OnebitOptimizer):
             comm_backend_name=comm_backend_name,
             auto_mask=auto_mask,
             gradient_release=gradient_release,
+            hierarchical=hierarchical,
         )
 
     def _variance_freeze_step(self) -> int:

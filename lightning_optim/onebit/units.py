@@ -71,6 +71,10 @@ class CompressionUnitsMixin:
         model in one call). Changing it drops the error buffers of the old units (with a warning)."""
         if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
             raise ValueError(f"cap must be a positive number of elements or None, got {cap!r}")
+        if cap is not None and self.hierarchical:
+            raise ValueError(f"{type(self).__name__}: compression units (overlap=True) exchange each unit over the "
+                             f"whole group; with hierarchical={self.hierarchical!r} the model is exchanged in one "
+                             "call per step: drop overlap or hierarchical")
         if cap != self._unit_cap and self._unit_errors_map:
             self._warn_errors_reset("the compression units changed")
             self._unit_errors_map = {}

@@ -81,7 +81,7 @@ class ZeroOneAdam(OnebitOptimizer):
 
     Args:
         lr, bias_correction, betas, eps, eps_inside_sqrt, weight_decay, max_grad_norm, amsgrad,
-            cuda_aware, comm_backend_name, process_group, average_grads, kahan_sum, auto_mask:
+            cuda_aware, comm_backend_name, process_group, average_grads, kahan_sum, auto_mask, hierarchical:
             as :class:`~lightning_optim.onebit.OnebitAdam` (``auto_mask`` also masks the 1-bit
             gradients of the variance stage, from the variance so far; plain Adam/AdamW state dicts
             load as there).
@@ -116,6 +116,7 @@ class ZeroOneAdam(OnebitOptimizer):
         kahan_sum: bool | None = None,
         auto_mask: bool | float = True,
         gradient_release: bool = False,
+        hierarchical: bool | int = False,
     ) -> None:
         if check_flag("amsgrad", amsgrad):
             raise ValueError("amsgrad: 0/1 Adam does not support the AMSGrad variant; leave amsgrad=False")
@@ -142,6 +143,7 @@ class ZeroOneAdam(OnebitOptimizer):
             comm_backend_name=comm_backend_name,
             auto_mask=auto_mask,
             gradient_release=gradient_release,
+            hierarchical=hierarchical,
         )
 
     def _initial_schedule(self) -> dict[str, Any]:

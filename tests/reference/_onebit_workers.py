@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .hierarchical_allreduce import RefHierarchicalAllreduce
 from .onebit_allreduce import RefOnebitAllreduce
 
 
@@ -23,12 +24,22 @@ class Workers:
         self.params = [[p.clone() for p in params] for _ in range(world_size)]
         self.lrs = list(lrs) if lrs is not None else None
         self.masks = list(masks) if masks is not None else [None] * len(params)
+        self.per_node: int | None = None  # hierarchical(per_node): fp32 in a node, 1-bit across nodes
         self.new_allreduce()
 
     def new_allreduce(self) -> None:
         """A fresh compressed allreduce: all error buffers back to zero."""
         segments = [torch.Size(s).numel() for s in self.shapes]
-        self.allreduce = RefOnebitAllreduce(self.numel, self.world, segments=segments)
+        if self.per_node is None:
+            self.allreduce = RefOnebitAllreduce(self.numel, self.world, segments=segments)
+        else:
+            self.allreduce = RefHierarchicalAllreduce(self.numel, self.world // self.per_node, self.per_node,
+                                                      segments=segments)
+
+    def hierarchical(self, per_node: int) -> None:
+        """From now on the compressed mean is the hierarchical one (fresh error buffers)."""
+        self.per_node = per_node
+        self.new_allreduce()
 
     def zeros(self) -> list[list[Tensor]]:
         return [[torch.zeros(s) for s in self.shapes] for _ in range(self.world)]

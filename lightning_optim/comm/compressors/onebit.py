@@ -41,6 +41,7 @@ class OnebitCompressor(Compressor):
         self.worker_error: Tensor | None = None
         self.server_error: Tensor | None = None
         self.origin: tuple[int, int] | None = None  # (world size, rank) the error buffers belong to
+        self.made_per_node: int | None = None  # the node size they were made for (1: flat; hierarchical.py)
 
     def reduce_flat_(self, flat: Tensor, *, group=None, segments: Sequence[int] | None = None,
                      on_reset: Callable[[str], None] | None = None, stats: CommStats | None = None,
@@ -64,7 +65,7 @@ class OnebitCompressor(Compressor):
                 self.server_error = self.server_error.to(flat.device)
         if self.worker_error is None:
             self.worker_error, self.server_error = make_error_buffers(flat, group, segments)
-            self.origin = (world, group_rank(group))
+            self.origin, self.made_per_node = (world, group_rank(group)), 1
         compressed_allreduce(flat, self.worker_error, self.server_error, group=group, stats=stats, segments=segments,
                              momentum=momentum)
 
@@ -91,16 +92,21 @@ class OnebitCompressor(Compressor):
             self.server_error.zero_()
 
     def forget(self) -> None:
-        self.worker_error = self.server_error = self.origin = None
+        self.worker_error = self.server_error = self.origin = self.made_per_node = None
+
+    def _per_node_now(self, group) -> int:
+        """The node size this compressor exchanges with (1: flat, every rank one node)."""
+        return 1
 
     def belongs_here(self, group=None) -> bool:
-        """Whether the residuals (if any) were made by this rank of this world size."""
+        """Whether the residuals (if any) were made by this rank of this world size, for this node size."""
         here = (world_size(group), group_rank(group)) if dist.is_available() and dist.is_initialized() else (1, 0)
-        return self.worker_error is None or self.origin == here
+        return self.worker_error is None or (self.origin == here and self.made_per_node == self._per_node_now(group))
 
     def state_dict(self) -> dict[str, Any]:
         return {"worker_error": self.worker_error, "server_error": self.server_error,
-                "world_size": self.origin[0] if self.origin else None, "rank": self.origin[1] if self.origin else None}
+                "world_size": self.origin[0] if self.origin else None, "rank": self.origin[1] if self.origin else None,
+                "per_node": self.made_per_node}
 
     @staticmethod
     def check_state(state: Mapping[str, Any]) -> None:
@@ -127,3 +133,5 @@ class OnebitCompressor(Compressor):
             return
         self.worker_error, self.server_error = worker.clone(), server.clone()
         self.origin = (int(state["world_size"]), int(state["rank"]))
+        per_node = state.get("per_node")  # absent in checkpoints from before hierarchical: flat
+        self.made_per_node = 1 if per_node is None else int(per_node)
