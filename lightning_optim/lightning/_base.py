@@ -69,7 +69,9 @@ class _OnebitStrategyMixin(_AgreedClipMixin, _PerRankCheckpointMixin, _ByteCount
             kwargs.pop(key, None)
         if not isinstance(telemetry, bool):
             raise TypeError(f"{name}: telemetry must be True or False, got {telemetry!r}")
-        self._knobs = {k: v for k, v in {**knobs, "hierarchical": hierarchical}.items() if v is not None}
+        self._knobs = {k: v for k, v in knobs.items() if v is not None}
+        if hierarchical is not False:  # the optimizer's default otherwise
+            self._knobs["hierarchical"] = hierarchical
         try:  # the optimizer's own checks name the argument and its range
             self.optimizer_class([torch.zeros(1, requires_grad=True)], **self._knobs)
         except (TypeError, ValueError) as exc:

@@ -14,7 +14,7 @@ from lightning_optim.comm.stats import CommStats, ring_allreduce_bytes
 
 __all__ = ["_ByteCountingMixin", "_CommTelemetryMixin"]
 
-_TOTALS = ("steps", "steps_without_ddp_allreduce", "bytes_sent", "fp32_bytes")
+_TOTALS = ("steps", "steps_without_ddp_allreduce", "bytes_sent", "fp32_bytes", "inter_node_bytes")
 
 
 class _ByteCountingMixin:
@@ -50,15 +50,19 @@ class _ByteCountingMixin:
         local = self._step_skips_ddp_allreduce()
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         now = comm_stats()
-        sent = (now - self._comm_before).bytes_sent
+        delta = now - self._comm_before
+        sent = delta.bytes_sent
         self._comm_before = now.copy()
         fp32 = ring_allreduce_bytes(self._trained_numel, self.world_size)
-        self.comm_last_step = {"bytes_sent": sent, "fp32_bytes": fp32, "ddp_allreduce": not local}
+        # inter_node_bytes: what left the node (all of bytes_sent unless the exchange is hierarchical)
+        self.comm_last_step = {"bytes_sent": sent, "fp32_bytes": fp32, "ddp_allreduce": not local,
+                               "inter_node_bytes": delta.inter_node_bytes}
         totals = self.comm_totals
         totals["steps"] += 1
         totals["steps_without_ddp_allreduce"] += int(local)
         totals["bytes_sent"] += sent
         totals["fp32_bytes"] += fp32
+        totals["inter_node_bytes"] += delta.inter_node_bytes
         return output
 
 
@@ -83,6 +87,8 @@ class _CommTelemetryMixin:
         self._seen_steps = totals["steps"]
         last = strategy.comm_last_step
         metrics = {"comm/bytes_sent": float(last["bytes_sent"]), "comm/fp32_bytes": float(last["fp32_bytes"])}
+        if last["inter_node_bytes"] != last["bytes_sent"]:  # hierarchical: the slow link's share
+            metrics["comm/inter_node_bytes"] = float(last["inter_node_bytes"])
         if last["bytes_sent"]:
             metrics["comm/compression_ratio"] = last["fp32_bytes"] / last["bytes_sent"]
         if totals["bytes_sent"]:

@@ -61,7 +61,8 @@ def _flat_params(module: torch.nn.Module) -> torch.Tensor:
 
 def _fit(rank: int, world: int, case: str, out: Path, *, max_steps: int, accumulate: int = 1,
          limit_train_batches: int | None = None, ckpt_in: str | None = None, ckpt_out: str | None = None,
-         source: str | None = None, checkpoint_dir: str | None = None, strategy: Any = None) -> dict[str, Any]:
+         source: str | None = None, checkpoint_dir: str | None = None, strategy: Any = None,
+         num_nodes: int = 1) -> dict[str, Any]:
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.loggers import CSVLogger
@@ -99,6 +100,7 @@ def _fit(rank: int, world: int, case: str, out: Path, *, max_steps: int, accumul
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=world,
+        num_nodes=num_nodes,
         strategy=strategy if strategy is not None else getattr(strategies, cls_name)(**kwargs, timeout=60),
         max_steps=max_steps,
         accumulate_grad_batches=accumulate,
@@ -130,6 +132,8 @@ def _fit(rank: int, world: int, case: str, out: Path, *, max_steps: int, accumul
         "scheduler_bound": all(c.scheduler.optimizer is opt for c in strategy.lr_scheduler_configs),
         "summary": strategy.comm_summary(),
         "skipped": strategy.allreduce_switch.buckets_skipped if strategy.allreduce_switch else None,
+        "hierarchical": opt.hierarchical,
+        "made_per_node": opt.compressor.made_per_node,
         "metrics_csv": str(out / "metrics.csv"),
     }
 
@@ -181,3 +185,26 @@ def resume_elsewhere(rank: int, world: int, ckpt: str, case: str, tmp: str) -> d
                       ckpt_in=ckpt)
     result["warnings"] = [str(w.message) for w in caught if "re-initialised" in str(w.message)]
     return result
+
+
+def hierarchical(rank: int, world: int, tmp: str) -> dict[str, Any]:
+    """4 ranks as Lightning sees 2 nodes of 2 devices (NODE_RANK, LOCAL_RANK), each strategy with
+    ``hierarchical=True``: a fit across the stage change with checkpoints, then a resume of the first epoch."""
+    os.environ.update(LOCAL_RANK=str(rank % 2), NODE_RANK=str(rank // 2), WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1")
+    warnings.filterwarnings("ignore", ".*does not have many workers.*")
+    import lightning_optim.lightning.strategies as strategies
+
+    tmp = Path(tmp)
+    out: dict[str, Any] = {}
+    common = dict(max_steps=2 * RESUME_EPOCH, limit_train_batches=RESUME_EPOCH)
+    for case, (cls_name, kwargs, _) in CASES.items():
+        def strategy():
+            return getattr(strategies, cls_name)(**kwargs, timeout=60, hierarchical=True)
+
+        full = _fit(rank, 2, case, tmp / case / "full", checkpoint_dir=str(tmp / case / "ckpts"), strategy=strategy(),
+                    num_nodes=2, **common)
+        ckpt = str(tmp / case / "ckpts" / f"epoch=0-step={RESUME_EPOCH}.ckpt")
+        resumed = _fit(rank, 2, case, tmp / case / "resumed", ckpt_in=ckpt, strategy=strategy(), num_nodes=2, **common)
+        out[case] = {**full, "resumed": resumed}
+    return out
