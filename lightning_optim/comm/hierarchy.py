@@ -26,6 +26,7 @@ share is ``bytes_sent - intra_node_bytes``.
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -106,6 +107,10 @@ def node_groups(hierarchical: bool | int, group=None) -> NodeGroups:
     members = list(range(world)) if group is None else dist.get_process_group_ranks(group)
     rank = dist.get_rank(group) if world > 1 else 0
     nodes = world // per_node
+    if nodes == 1 and world > 1 and rank == 0:
+        warnings.warn(f"hierarchical: the {world} ranks are one node of {per_node}; every exchange is the exact fp32 "
+                      "mean inside it and nothing is compressed (hierarchical=False for the flat 1-bit exchange)",
+                      UserWarning, stacklevel=3)
     intra = inter = None
     if world > 1:
         # every rank creates every group, in one order (torch's rule for new_group)

@@ -84,6 +84,10 @@ def test_one_node_is_the_exact_mean_and_nodes_of_one_the_flat_allreduce(ranks):
         stats = ranks[r]["one_node"]["stats"]
         assert stats["inter_node_bytes"] == 0 and stats["intra_node_bytes"] > 0 and stats["compressed_calls"] == 0
         assert ranks[r]["one_node"]["errors"] is None  # nothing compressed, no residue
+        # said once, by rank 0, when the groups are made
+        assert ranks[r]["one_node"]["warnings"] == ([
+            "hierarchical: the 4 ranks are one node of 4; every exchange is the exact fp32 mean inside it and nothing "
+            "is compressed (hierarchical=False for the flat 1-bit exchange)"] if r == 0 else [])
 
 
 def test_bad_node_sizes_are_refused_on_every_rank(ranks):
