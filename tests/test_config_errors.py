@@ -3,6 +3,7 @@ trains, with its full Hydra key; a zero-step run is valid."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -121,3 +122,15 @@ def test_gradient_release_conflicts_are_reported_up_front(compose_train, overrid
     cfg["gradient_release"] = "yes"
     with pytest.raises(ConfigError, match="^gradient_release: must be true or false"):
         check_config(cfg)
+
+
+@pytest.mark.parametrize("strategy,optimizer", [("onebit_adam", "adamw"), ("zero_one_adam", "adamw"),
+                                                ("onebit_lamb", "lamb")])
+def test_strategy_hierarchical_is_checked_by_key(compose_train, strategy, optimizer):
+    chosen = (f"strategy={strategy}", f"optimizer={optimizer}")
+    for good in ("true", "2"):
+        check_config(OmegaConf.to_container(compose_train(*chosen, f"strategy.hierarchical={good}"), resolve=True))
+    for bad, says in (("0", "the number of ranks per node (an int >= 1), got 0"), ("abc", "must be true or false or an int")):
+        cfg = OmegaConf.to_container(compose_train(*chosen, f"strategy.hierarchical={bad}"), resolve=True)
+        with pytest.raises(ConfigError, match=rf"^strategy.hierarchical: .*{re.escape(says)}"):
+            check_config(cfg)
