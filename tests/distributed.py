@@ -245,10 +245,7 @@ def _run_fresh(world_size: int, fn, args: tuple, *, timeout: float, env, pg_time
                         continue
                 else:
                     continue
-            if kind == "ok":
-                outputs[rank] = pickle.loads(payload)
-            else:
-                errors[rank] = payload
+            if worker_pool.record(outputs, errors, rank, kind, payload):
                 error_seen_at = error_seen_at or time.monotonic()
     finally:
         all_reported.set()

@@ -227,6 +227,16 @@ def log(line: str) -> None:
             f.write(f"{time.strftime('%H:%M:%S')} {line}\n")
 
 
+def record(outputs: dict, errors: dict, rank: int, kind: str, payload) -> bool:
+    """Put rank ``rank``'s report (``"ok"`` with its pickled result, else its traceback text) where it belongs;
+    True for an error. Both ways of running ranks report alike."""
+    if kind == "ok":
+        outputs[rank] = pickle.loads(payload)
+        return False
+    errors[rank] = payload
+    return True
+
+
 class _Rank:
     def __init__(self, rank: int) -> None:
         ctx = tmp.get_context("spawn")
@@ -349,10 +359,7 @@ class Pool:
                         kind, got_id, body = got
                         if got_id != call_id:
                             continue
-                        if kind == "ok":
-                            outputs[r] = pickle.loads(body)
-                        else:
-                            errors[r] = body
+                        if record(outputs, errors, r, kind, body):
                             error_seen_at = error_seen_at or time.monotonic()
                     elif not rank.alive() or rank.process.sentinel in ready:
                         rank.process.join(1.0)
