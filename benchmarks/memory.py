@@ -21,17 +21,11 @@ Claims (printed met / NOT met, never asserted): bf16 + Kahan needs >= 37% less n
 than fp32 AdamW (optimi publishes 37.5-45.5%); gradient release lowers the fp32 peak of torch's
 AdamW by >= 80% of the gradients (4 B x params). fp16 master weights: memory and step-time ratios vs fp32.
 
-First step (``--first-step``: only this; ``--no-first-step``: without it): each of our optimizers
-(``--optimizers``) and its torch.optim counterpart (the same states: AdamW, Adam, SGD and RAdam;
-FusedAdam/CPUAdam -> AdamW, FusedSGD -> SGD; the others are compared with torch's AdamW by what each
-needs beyond its own states), in a fresh process, on two models (``--models``): ``gpt`` (the ByteGPT
-above after one forward/backward) and ``tensors`` (50 plain Parameters of 1M elements, random grads).
-The rise = the peak during the first ``opt.step()`` (ru_maxrss reset right before it; a thread reading
-/proc/self/statm every ~1 ms as a cross-check; on CUDA max_memory_allocated) minus the memory held
-before the optimizer was built. Goal (issue 21, printed, never asserted): rise - own states <= torch's
-rise - its states + 2% of our states. ``--code-root DIR`` imports the library from another checkout
-(e.g. a worktree of an older commit: the "before" figure); ``LIGHTNING_OPTIM_BACKEND=torch`` in the
-environment runs our optimizers on the torch path.
+First step (``--first-step``: only this; ``--no-first-step``: without it; ``--models``,
+``--optimizers``, ``--code-root``): the peak rise during the first ``opt.step()`` of each of our
+optimizers next to its torch.optim counterpart, in a fresh process each; what is measured and the
+goal are described in ``benchmarks/memory_first_step.py``, which holds that part (the shared
+measurement helpers are in ``benchmarks/memory_probe.py``).
 
 DDP (on unless ``--quick``; ``--no-ddp``/``--ddp``): 2 gloo ranks on 127.0.0.1, ~10M fp32 params,
 1 thread per rank; interleaved in the same processes after warmup, (a) DDP + ``opt.step()`` and (b)
@@ -50,30 +44,26 @@ import argparse
 import copy
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from datetime import timedelta
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from comm import _free_port, machine_facts  # noqa: E402  (benchmarks/comm.py)
+from memory_first_step import FIRST_STEP, first_step_child, report_first_step  # noqa: E402
+from memory_probe import (  # noqa: E402  (benchmarks/memory_probe.py)
+    BATCH, MB, MET, SEQ, SIZES, _batch, _loss, _now, _peak, _reset_peak, _result, _tensor_bytes)
 
 import lightning_optim  # noqa: E402
 from lightning_optim.model import ByteGPT  # noqa: E402
 from lightning_optim.precision import DynamicLossScaler, MasterWeights  # noqa: E402
 
-BATCH, SEQ, VOCAB, WARMUP, MEASURED, MB = 2, 64, 256, 2, 3, 2**20
-MET = {True: "met", False: "NOT met"}
-SIZES = {"full": dict(d_model=768, n_layer=7, n_head=12),  # 49.9M params
-         "quick": dict(d_model=512, n_layer=4, n_head=8),  # 12.8M
-         "ddp": dict(d_model=384, n_layer=6, n_head=6)}    # 10.7M
+WARMUP, MEASURED = 2, 3
 CONFIGS = {  # name -> (model dtype, fp32 master weights, gradient release, torch.optim.AdamW instead of ours)
     "fp32 AdamW": (torch.float32, False, False, False),
     "fp32 torch.optim.AdamW": (torch.float32, False, False, True),
@@ -83,52 +73,6 @@ CONFIGS = {  # name -> (model dtype, fp32 master weights, gradient release, torc
     "bf16 + Kahan + gradient release": (torch.bfloat16, False, True, False),
 }
 TORCH_ADAMW = "fp32 torch.optim.AdamW"
-
-
-def _batch(seed: int, device="cpu"):
-    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(seed)).to(device)
-    return tokens[:, :-1], tokens[:, 1:]
-
-
-def _loss(model, inputs, targets):
-    return F.cross_entropy(model(inputs).reshape(-1, VOCAB).float(), targets.reshape(-1))
-
-
-def _now(cuda: bool = False) -> int:
-    """Memory held right now: resident set size (CPU) or bytes allocated (CUDA)."""
-    if cuda:
-        return torch.cuda.memory_allocated()
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _peak(cuda: bool = False) -> int:
-    return torch.cuda.max_memory_allocated() if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def _reset_peak(cuda: bool = False) -> bool:
-    """Start a new peak from the memory held now (Linux: writing 5 to clear_refs resets ru_maxrss)."""
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-        return True
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def _tensor_bytes(tensors) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (packed state buffers counted once)."""
-    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
-
-
-def _result(stdout: str, what: str) -> dict:
-    for line in stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
-    raise SystemExit(f"{what} printed no result:\n{stdout[-2000:]}")
 
 
 # ----------------------------------------------------------------------------- child: one configuration
@@ -194,156 +138,6 @@ def run_child(name: str, size: str, threads: int) -> dict:
     if proc.returncode != 0:
         raise SystemExit(f"{name} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
     return _result(proc.stdout, name)
-
-
-# ----------------------------------------------------------------------------- first step: ours vs torch.optim
-# ours -> (kwargs, torch.optim counterpart holding the same states, or None: compared with torch's AdamW by what
-# each needs beyond its own states). lr 1e-3 everywhere; torch's counterparts get the same kwargs.
-FIRST_STEP = {
-    "AdamW": (dict(weight_decay=0.01), "AdamW"), "Adam": ({}, "Adam"), "SGD": (dict(momentum=0.9), "SGD"),
-    "RAdam": ({}, "RAdam"), "FusedAdam": (dict(weight_decay=0.01), "AdamW"),
-    "CPUAdam": (dict(weight_decay=0.01), "AdamW"), "FusedSGD": (dict(momentum=0.9), "SGD"),
-    "Lamb": (dict(weight_decay=0.01), None), "FusedLamb": (dict(weight_decay=0.01), None),
-    "Lars": (dict(momentum=0.9), None), "Lion": ({}, None), "Adan": ({}, None), "Ranger": ({}, None),
-    "StableAdamW": ({}, None), "SignSGD": (dict(momentum=0.9), None), "SparsifiedSGD": ({}, None),
-}
-TORCH_FIRST = {"AdamW": dict(weight_decay=0.01), "Adam": {}, "SGD": dict(momentum=0.9), "RAdam": {}}
-TENSORS, TENSOR_NUMEL, GOAL = 50, 2**20, 0.02  # "50 tensors of 1M params"; goal: <= torch's + 2% of the states
-
-
-class _Sampler(threading.Thread):
-    """The largest RSS seen in /proc/self/statm, read every ~1 ms (a cross-check of ru_maxrss: it misses
-    peaks shorter than a period, and kernels that hold the GIL delay it)."""
-
-    def __init__(self) -> None:
-        super().__init__(daemon=True)
-        self.done, self.peak, self.samples = threading.Event(), 0, 0
-
-    def run(self) -> None:
-        page = os.sysconf("SC_PAGE_SIZE")
-        with open("/proc/self/statm", "rb", buffering=0) as f:
-            while not self.done.is_set():
-                f.seek(0)
-                self.peak, self.samples = max(self.peak, int(f.read().split()[1]) * page), self.samples + 1
-                time.sleep(0.001)
-
-
-def _first_step_params(model: str, size: str, device: str) -> list[torch.Tensor]:
-    torch.manual_seed(0)
-    if model == "gpt":
-        net = ByteGPT(max_seq_len=SEQ, **SIZES[size]).to(device)
-        _loss(net, *_batch(0, device)).backward()
-        return list(net.parameters())
-    gen = torch.Generator().manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(TENSOR_NUMEL, generator=gen).to(device)) for _ in range(TENSORS)]
-    for p in params:
-        p.grad = torch.randn(TENSOR_NUMEL, generator=gen).to(device)
-    return params
-
-
-def first_step_child(label: str, model: str, size: str, threads: int) -> None:
-    """One optimizer's first ``step()``: the rise of the peak over the memory held before it was built."""
-    import gc
-    import warnings
-
-    torch.set_num_threads(threads)
-    sys.setswitchinterval(0.001)  # let the sampler in between the step's Python calls
-    cuda = torch.cuda.is_available()
-    params = _first_step_params(model, size, "cuda" if cuda else "cpu")
-    side, name = label.split(":")
-    if side == "torch":
-        make = lambda: getattr(torch.optim, name)(params, lr=1e-3, **TORCH_FIRST[name])  # noqa: E731
-    else:
-        make = lambda: getattr(lightning_optim, name)(params, lr=1e-3, **FIRST_STEP[name][0])  # noqa: E731
-    gc.collect()
-    if cuda:
-        torch.cuda.synchronize()
-    before = _now(cuda)
-    opt = make()
-    built = _now(cuda) - before
-    sampler = None if cuda else _Sampler()
-    if sampler:
-        sampler.start()
-        time.sleep(0.01)
-    reset = _reset_peak(cuda)
-    start = time.perf_counter()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        opt.step()
-    if cuda:
-        torch.cuda.synchronize()
-    elapsed, peak = time.perf_counter() - start, _peak(cuda)
-    if sampler:
-        sampler.done.set()
-        sampler.join()
-    states = [t for s in opt.state.values() for t in s.values() if torch.is_tensor(t) and t.numel() > 1]
-    backend = "torch.optim"
-    if side == "ours":
-        try:
-            from lightning_optim import ops
-
-            backend = ops.backend_for(params[0].device.type)
-        except Exception:  # noqa: BLE001  (an older checkout)
-            backend = "?"
-    print("RESULT " + json.dumps({
-        "device": params[0].device.type, "params": sum(p.numel() for p in params), "reset_ok": reset,
-        "rise_bytes": peak - before, "sampled_rise_bytes": sampler.peak - before if sampler else None,
-        "samples": sampler.samples if sampler else 0, "built_bytes": built, "kept_bytes": _now(cuda) - before,
-        "state_bytes": _tensor_bytes(states), "step_s": elapsed, "backend": backend,
-        "code": str(Path(lightning_optim.__file__).resolve().parent.parent)}), flush=True)
-
-
-def run_first_step(label: str, model: str, size: str, threads: int, code_root: str | None) -> dict:
-    cmd = [sys.executable, os.path.abspath(__file__), "--first-step-child", label, "--model", model, "--size", size,
-           "--threads", str(threads)]
-    env = {"MALLOC_MMAP_THRESHOLD_": "65536", **os.environ, "PYTHONWARNINGS": "ignore"}
-    if code_root:  # another checkout's library (e.g. a worktree of an older commit), this script
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [code_root, os.environ.get("PYTHONPATH")]))
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=code_root)
-    if proc.returncode != 0:
-        raise SystemExit(f"first step of {label} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
-    return _result(proc.stdout, label)
-
-
-def report_first_step(model: str, size: str, threads: int, names: list[str], code_root: str | None) -> dict:
-    wanted = sorted({FIRST_STEP[n][1] or "AdamW" for n in names}, key=list(TORCH_FIRST).index)
-    torch_res = {t: run_first_step(f"torch:{t}", model, size, threads, code_root) for t in wanted}
-    ours = {n: run_first_step(f"ours:{n}", model, size, threads, code_root) for n in names}
-    ref = next(iter(torch_res.values()))
-    what = "peak RSS during the step (ru_maxrss, reset right before it)" if ref["device"] == "cpu" else \
-        "torch.cuda.max_memory_allocated during the step (reset right before it)"
-    shape = (f"ByteGPT {SIZES[size]} after one forward/backward" if model == "gpt"
-             else f"{TENSORS} plain Parameters of {TENSOR_NUMEL:,} elements, random grads")
-    print(f"# first-step memory ({ref['device']}): {shape} = {ref['params']:,} fp32 params; a fresh process per "
-          f"optimizer, {threads} torch thread(s); code: {ref['code']}")
-    print(f"rise = {what} - memory held before the optimizer was built; sampled = the same from /proc/self/statm "
-          f"every ~1 ms; extra = rise - own state; diff = (extra - torch's extra) / own state; goal <= "
-          f"+{GOAL:.0%} (a counterpart with the same states: rise <= torch's rise + {GOAL:.0%} of the state)")
-    print(f"{'optimizer':14s} {'backend':>7s} {'state MB':>8s} {'rise MB':>7s} {'sampled':>7s} {'extra MB':>8s} "
-          f"{'step s':>6s} | {'torch.optim':12s} {'state MB':>8s} {'rise MB':>7s} {'sampled':>7s} {'extra MB':>8s} | "
-          f"{'diff':>7s}  goal")
-    rows = {}
-
-    def mb(v):
-        return f"{v / MB:7.1f}" if v is not None else f"{'n/a':>7s}"
-
-    for name in names:
-        r, counterpart = ours[name], FIRST_STEP[name][1]
-        t = torch_res[counterpart or "AdamW"]
-        extra, t_extra = r["rise_bytes"] - r["state_bytes"], t["rise_bytes"] - t["state_bytes"]
-        diff = (extra - t_extra) / r["state_bytes"] if r["state_bytes"] else float("nan")
-        met = bool(diff <= GOAL) and r["reset_ok"] and t["reset_ok"]
-        tname = counterpart or "AdamW*"
-        note = "" if counterpart is None or r["state_bytes"] == t["state_bytes"] else "  (states differ)"
-        print(f"{name:14s} {r['backend']:>7s} {r['state_bytes'] / MB:8.1f} {mb(r['rise_bytes'])} "
-              f"{mb(r['sampled_rise_bytes'])} {extra / MB:8.1f} {r['step_s']:6.2f} | {tname:12s} "
-              f"{t['state_bytes'] / MB:8.1f} {mb(t['rise_bytes'])} {mb(t['sampled_rise_bytes'])} {t_extra / MB:8.1f} | "
-              f"{diff:+7.1%}  {MET[met]}{note}")
-        rows[name] = {"ours": r, "torch": tname, "diff_over_state": diff, "met": met}
-    print("AdamW* = no torch.optim counterpart: compared with torch.optim.AdamW by what each needs beyond its own "
-          "states")
-    return {"model": model, "size": SIZES[size] if model == "gpt" else {"tensors": TENSORS, "numel": TENSOR_NUMEL},
-            "code": ref["code"], "torch": torch_res, "rows": rows}
 
 
 # ----------------------------------------------------------------------------- DDP: step vs gradient release
