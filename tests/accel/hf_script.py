@@ -28,16 +28,19 @@ class ScriptArguments:
 
 
 def wire_bytes_sent() -> int | None:
-    """What this process's open TCP sockets have sent, as the kernel counts it (``ss -tinp``: gloo's pairs
-    and the rendezvous store), independent of comm_stats; None where ``ss`` is missing."""
+    """What this process's open TCP sockets to other ranks have sent, as the kernel counts it (``ss -tinp``:
+    gloo's pairs), independent of comm_stats; None where ``ss`` is missing. The rendezvous store's socket (to
+    MASTER_PORT) is left out: it polls while ranks wait for each other, so its bytes follow the machine's load."""
     try:
         out = subprocess.run(["ss", "-tinpH"], capture_output=True, text=True, check=True).stdout
     except (OSError, subprocess.CalledProcessError):
         return None
+    store = f":{os.environ.get('MASTER_PORT', '')}"
     total, mine = 0, False
     for line in out.splitlines():
         if not line[:1].isspace():  # a socket's line; its counters follow on an indented line
-            mine = f"pid={os.getpid()}," in line
+            fields = line.split()
+            mine = f"pid={os.getpid()}," in line and not any(f.endswith(store) for f in fields[3:5])
         elif mine and (found := re.search(r"\bbytes_sent:(\d+)", line)):
             total += int(found.group(1))
     return total
