@@ -7,6 +7,10 @@ takes part in every step, and a param without a gradient on this rank counts as 
 gradient (as DDP treats unused params). The states that are communicated live in one flat
 fp32 buffer per state name (the per-param state tensors are views into it), so one call
 compresses (one scale per param) or averages the whole model.
+
+Params sharded by FSDP2 (DTensors, see ``onebit/fsdp.py``) are stepped on their local shards
+(``Layout.tensors``): states, gradients and updates are this rank's shard, and ``process_group`` is
+the group of ranks that hold the same shard (the replicas).
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from lightning_optim.comm.compressors.onebit import OnebitCompressor
 from lightning_optim.comm.hierarchy import check_hierarchical
 from lightning_optim.distributed.communicating import CommunicatingOptimizer
 from lightning_optim.onebit.checkpoint import OnebitStateDictMixin
-from lightning_optim.onebit.layout import Layout
+from lightning_optim.onebit.layout import Layout, local_tensor
 from lightning_optim.onebit.masks import MomentumMaskMixin
 from lightning_optim.optim.adam import adam_deltas, adam_first_moment_, adam_second_moment_
 from lightning_optim.optim.base import BaseOptimizer, Batch, ParamsT
@@ -169,6 +173,7 @@ class OnebitOptimizer(CommunicatingOptimizer, OnebitStateDictMixin, MomentumMask
     def _state_template(self, group: dict[str, Any], p: Tensor) -> dict[str, Any]:
         # the flat keys are param-shaped views of the flat buffers; the scalars come from _init_param_state
         made: dict[str, Any] = {}
+        p = local_tensor(p)  # a sharded param's states are its shard's
         self._init_param_state(group, torch.empty_like(p, device="meta"), made)
         for key in self._flat_keys + self._lazy_flat_keys:
             made[key] = torch.empty_like(p, dtype=torch.float32, device="meta")
@@ -176,7 +181,7 @@ class OnebitOptimizer(CommunicatingOptimizer, OnebitStateDictMixin, MomentumMask
 
     def _state_keys(self, group: dict[str, Any], p: Tensor) -> tuple[set[str], set[str]]:
         scalars: dict[str, Any] = {}
-        self._init_param_state(group, torch.empty_like(p, device="meta"), scalars)
+        self._init_param_state(group, torch.empty_like(local_tensor(p), device="meta"), scalars)
         return set(self._flat_keys), set(self._lazy_flat_keys) | set(scalars) | set(self._optional_state_keys)
 
     # ------------------------------------------------------------------ the DDP contract (CommunicatingOptimizer)
@@ -210,7 +215,7 @@ class OnebitOptimizer(CommunicatingOptimizer, OnebitStateDictMixin, MomentumMask
         self._warn_if_ddp_unmanaged(t)
         layout = self._prepare_layout()
         self._agree(layout, t)
-        grads = [p.grad for p in layout.params]
+        grads = [None if p.grad is None else local_tensor(p.grad) for p in layout.params]
         self._drop_foreign_errors()
         if self._reads_param_grads(t):
             self._param_grads = grads
@@ -235,7 +240,8 @@ class OnebitOptimizer(CommunicatingOptimizer, OnebitStateDictMixin, MomentumMask
     def _prepare_layout(self) -> Layout:
         current = self._layout
         key = tuple(id(p) for group in self.param_groups for p in group["params"] if p.requires_grad)
-        if current is not None and current.key == key and (not key or current.params[0].device == current.device):
+        if (current is not None and current.key == key and (not key or current.params[0].device == current.device)
+                and current.refresh()):
             self._relink(current)
             return current
         layout = Layout(self.param_groups)
@@ -249,12 +255,12 @@ class OnebitOptimizer(CommunicatingOptimizer, OnebitStateDictMixin, MomentumMask
                 )
         self._flats = {}
         buckets: dict[tuple, list[int]] = {}
-        for i, (p, gi) in enumerate(zip(layout.params, layout.group_of)):
+        for i, (p, t, gi) in enumerate(zip(layout.params, layout.tensors, layout.group_of)):
             group = self.param_groups[gi]
             state = self.state[p]
-            self._init_param_state(group, p, state)  # adds only what is missing (a plain Adam state has no scalars)
+            self._init_param_state(group, t, state)  # adds only what is missing (a plain Adam state has no scalars)
             if "kahan_comp" not in state and self._uses_kahan(group, p):
-                state["kahan_comp"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["kahan_comp"] = torch.zeros_like(t, memory_format=torch.preserve_format)
             buckets.setdefault((gi, p.dtype, "kahan_comp" in state), []).append(i)
         layout.buckets = [(bucket[0], idx) for bucket, idx in buckets.items()]
         self._layout = layout
@@ -296,7 +302,7 @@ class OnebitOptimizer(CommunicatingOptimizer, OnebitStateDictMixin, MomentumMask
             for p, view in zip(layout.params, views):
                 old = self.state[p].get(key)
                 if old is not None:
-                    view.copy_(old)
+                    view.copy_(local_tensor(old))
                 self.state[p][key] = view
             self._flats[key] = flat
             self._flat_views[key] = views
@@ -330,9 +336,9 @@ class OnebitOptimizer(CommunicatingOptimizer, OnebitStateDictMixin, MomentumMask
         defaults to the views of the flat gradient buffer."""
         grads = self._scratch(layout, "grad")[1] if grads is None else grads
         for gi, idx in layout.buckets:
-            params = [layout.params[i] for i in idx]
             yield gi, self.param_groups[gi], Batch(
-                params, [grads[i] for i in idx], [self.state[p] for p in params], t, torch.float32
+                [layout.tensors[i] for i in idx], [grads[i] for i in idx],
+                [self.state[layout.params[i]] for i in idx], t, torch.float32
             )
 
     @staticmethod
@@ -429,7 +435,7 @@ class OnebitOptimizer(CommunicatingOptimizer, OnebitStateDictMixin, MomentumMask
 
     def _local_grads(self, layout: Layout) -> list[Tensor]:
         """The params' gradients of this step, in layout order; a zero tensor where a param has none."""
-        return [g if g is not None else torch.zeros_like(p) for p, g in zip(layout.params, self._param_grads)]
+        return [g if g is not None else torch.zeros_like(t) for t, g in zip(layout.tensors, self._param_grads)]
 
     def _needs_average(self, t: int) -> bool:
         raise NotImplementedError
