@@ -65,6 +65,7 @@ if TYPE_CHECKING:  # the same names for type checkers and IDEs; tests/test_catal
         DecentralizedStrategy,
         FP16CompressStrategy,
         OnebitAdamStrategy,
+        OnebitFSDPStrategy,
         OnebitLambStrategy,
         PowerSGDStrategy,
         RandomKStrategy,

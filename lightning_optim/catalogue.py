@@ -44,6 +44,7 @@ class StrategyEntry:
     export: str  # the class name in lightning_optim.lightning (and .pl_strategies for pytorch_lightning)
     description: str
     optimizer: str | None = None  # the catalogue name of the 1-bit optimizer it converts to (None: any optimizer)
+    base: str = "DDPStrategy"  # the Lightning strategy it extends (ModelParallelStrategy: FSDP2)
 
 
 _OPT = "lightning_optim.optim."
@@ -108,6 +109,10 @@ STRATEGIES: dict[str, StrategyEntry] = {e.name: e for e in (
                   "(ring, torus, exponential, explicit)"),
     StrategyEntry("fp16_compress", "FP16CompressStrategy",
                   "DDP + torch's fp16_compress_hook on every device (lightning_optim): buckets averaged in fp16"),
+    StrategyEntry("onebit_fsdp", "OnebitFSDPStrategy",
+                  "HSDP (FSDP2 on a replicate x shard mesh) + 1-bit Adam across the replicas (lightning_optim): "
+                  "HSDP's fp32 all-reduce in warmup, then the 1-bit compressed momentum exchange", "onebit_adam",
+                  base="ModelParallelStrategy"),
 )}
 
 

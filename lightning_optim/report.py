@@ -141,12 +141,13 @@ def format_table(summary: dict[str, Any]) -> str:
     ]
     comm = summary.get("comm")
     if comm and comm.get("bytes_sent"):
-        without = f"{comm['steps_without_ddp_allreduce']} of {comm['steps']} steps without DDP's allreduce"
+        baseline = comm.get("baseline", "DDP's fp32 allreduce")
+        without = f"{comm['steps_without_ddp_allreduce']} of {comm['steps']} steps without {baseline}"
         if comm.get("stage_switch_step") is not None:
             without += f", from step {comm['stage_switch_step']}"
         rows.append((
             "bytes sent per rank",
-            f"{format_bytes(comm['bytes_sent'])} vs {format_bytes(comm['fp32_bytes'])} for fp32 DDP "
+            f"{format_bytes(comm['bytes_sent'])} vs {format_bytes(comm['fp32_bytes'])} for {baseline} "
             f"({compare_bytes(comm['bytes_sent'], comm['fp32_bytes'])}; {without})",
         ))
     width = max(len(label) for label, _ in rows)

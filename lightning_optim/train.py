@@ -94,8 +94,9 @@ class CommTrace(L.Callback):
             self.switch_step = stage_switch_step(self.points[-2:])
             if self.switch_step is not None:
                 optimizer = type(getattr(strategy, "onebit_optimizer", None)).__name__
+                baseline = getattr(strategy, "fp32_baseline", "DDP's fp32 allreduce")
                 note(f"step {self.switch_step}: the 1-bit stage starts: {optimizer} exchanges 1-bit compressed "
-                     "momentum instead of DDP's fp32 allreduce")
+                     f"momentum instead of {baseline}")
 
 
 def last_epoch(trainer: L.Trainer) -> int | None:

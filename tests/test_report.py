@@ -25,7 +25,7 @@ def test_the_bytes_line_compares_with_fp32_ddp(sent, fp32, words):
     comm = {"bytes_sent": sent, "fp32_bytes": fp32, "compression_ratio": fp32 / sent, "steps": 4,
             "steps_without_ddp_allreduce": 4}
     text = format_table({**BASE, "comm": comm})
-    assert f"{format_bytes(sent)} vs {format_bytes(fp32)} for fp32 DDP ({words}; 4 of 4 steps" in text
+    assert f"{format_bytes(sent)} vs {format_bytes(fp32)} for DDP's fp32 allreduce ({words}; 4 of 4 steps" in text
     assert "1.0x" not in text and "from step" not in text
     assert "from step 2)" in format_table({**BASE, "comm": {**comm, "stage_switch_step": 2}})
 

@@ -8,6 +8,8 @@
   :class:`DecentralizedStrategy`, :class:`FP16CompressStrategy` (``strategies.py``, mixins in
   ``_comm_hook_strategies.py``): DDP with one of :mod:`lightning_optim.comm.ddp_hooks` on every device,
   registered as ``"powersgd"``, ``"topk"``, ``"randomk"``, ``"signsgd"``, ``"decentralized"``, ``"fp16_compress"``.
+* :class:`OnebitFSDPStrategy` (``_fsdp.py``), ``"onebit_fsdp"``: Lightning's FSDP2 strategy on a
+  (replicate, shard) mesh with 1-bit Adam across the replicas (:func:`lightning_optim.onebit.onebit_fsdp`).
 * :class:`CommTelemetry` (``callbacks.py``): ``comm/*`` metrics per step; :class:`ConsensusTelemetry`:
   the decentralized strategy's ``comm/consensus_distance``.
 * :func:`to_onebit` (``convert.py``): the optimizer conversion the strategies use.
@@ -23,7 +25,8 @@ import importlib
 from typing import Any
 
 __all__ = ["OnebitAdamStrategy", "ZeroOneAdamStrategy", "OnebitLambStrategy", "PowerSGDStrategy", "TopKStrategy",
-           "RandomKStrategy", "SignSGDStrategy", "DecentralizedStrategy", "FP16CompressStrategy", "CommTelemetry", "ConsensusTelemetry",
+           "RandomKStrategy", "SignSGDStrategy", "DecentralizedStrategy", "FP16CompressStrategy", "OnebitFSDPStrategy",
+           "CommTelemetry", "ConsensusTelemetry",
            "to_onebit", "MasterWeightsPrecision", "KahanPrecision", "GradientRelease"]
 
 _WHERE = {
@@ -36,6 +39,7 @@ _WHERE = {
     "SignSGDStrategy": "strategies",
     "FP16CompressStrategy": "strategies",
     "DecentralizedStrategy": "strategies",
+    "OnebitFSDPStrategy": "strategies",
     "ConsensusTelemetry": "strategies",
     "CommTelemetry": "callbacks",
     "to_onebit": "convert",

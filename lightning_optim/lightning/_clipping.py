@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 
 from lightning_optim.comm.dense import agreed_norm
@@ -40,15 +41,22 @@ class _AgreedClipMixin:
             onebit = self.onebit_optimizer
             if onebit is None or not onebit.averages_local_grads:
                 return own(optimizer, clip_val)
-            params = [p for p in plugin.main_params(optimizer) if p.grad is not None]
-            norm = agreed_norm(nn.utils.get_total_norm([p.grad for p in params]))
-            nn.utils.clip_grads_with_norm_(params, clip_val, norm)
+            grads, local_norm = self._clip_norm_input([p.grad for p in plugin.main_params(optimizer)
+                                                       if p.grad is not None])
+            norm = agreed_norm(local_norm)
+            coef = torch.clamp(clip_val / (norm + 1e-6), max=1.0)  # clip_grads_with_norm_'s rule
+            for g in grads:  # the tensors _clip_norm_input gives (FSDP: the local shards)
+                g.mul_(coef.to(g.device))
             self.last_clip_norm = float(norm)
             return None
 
         clip_grad_by_norm._agreed_clip_of = self  # type: ignore[attr-defined]
         clip_grad_by_norm._agreed_clip_before = vars(plugin).get("clip_grad_by_norm")  # type: ignore[attr-defined]
         plugin.clip_grad_by_norm = clip_grad_by_norm
+
+    def _clip_norm_input(self, grads: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """The tensors to scale and this rank's norm for ``agreed_norm`` (DDP: its gradients and their norm)."""
+        return grads, nn.utils.get_total_norm(grads) if grads else torch.zeros(())
 
     def teardown(self) -> None:
         """Give the precision plugin its own ``clip_grad_by_norm`` back: the user may reuse the plugin

@@ -1,7 +1,7 @@
 """The strategy classes of one Lightning package (``lightning.pytorch`` or ``pytorch_lightning``), built
 from the catalogue: each class is its name's mixin (the behaviour, written once) on that package's
-``DDPStrategy``, with that package's telemetry callbacks. ``strategies.py`` / ``pl_strategies.py`` call
-:func:`build` with their package's classes.
+``DDPStrategy`` (``ModelParallelStrategy`` for ``onebit_fsdp``), with that package's telemetry callbacks.
+``strategies.py`` / ``pl_strategies.py`` call :func:`build` with their package's classes.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from lightning_optim.lightning._comm_hook_strategies import (
     _SignSGDMixin,
     _TopKMixin,
 )
+from lightning_optim.lightning._fsdp import _OnebitFSDPMixin
 
 __all__ = ["MIXINS", "build"]
 
@@ -24,12 +25,13 @@ MIXINS: dict[str, type] = {
     "OnebitAdamStrategy": _OnebitAdamMixin, "ZeroOneAdamStrategy": _ZeroOneAdamMixin,
     "OnebitLambStrategy": _OnebitLambMixin, "PowerSGDStrategy": _PowerSGDMixin, "TopKStrategy": _TopKMixin,
     "RandomKStrategy": _RandomKMixin, "SignSGDStrategy": _SignSGDMixin, "FP16CompressStrategy": _FP16CompressMixin,
-    "DecentralizedStrategy": _DecentralizedMixin,
+    "DecentralizedStrategy": _DecentralizedMixin, "OnebitFSDPStrategy": _OnebitFSDPMixin,
 }
 
 
-def build(ddp_strategy: type, comm_telemetry: type, consensus_telemetry: type, module: str) -> dict[str, type]:
-    """``{class name: class}`` for every catalogue strategy, as if written in ``module`` (so they pickle)."""
+def build(bases: dict[str, type], comm_telemetry: type, consensus_telemetry: type, module: str) -> dict[str, type]:
+    """``{class name: class}`` for every catalogue strategy, as if written in ``module`` (so they pickle);
+    ``bases``: that package's strategy classes by name (``DDPStrategy``, ``ModelParallelStrategy``)."""
     classes = {}
     for entry in STRATEGIES.values():
         mixin = MIXINS[entry.export]
@@ -37,5 +39,5 @@ def build(ddp_strategy: type, comm_telemetry: type, consensus_telemetry: type, m
                 "telemetry_callback_class": comm_telemetry}
         if issubclass(mixin, _DecentralizedMixin):
             body["consensus_callback_class"] = consensus_telemetry
-        classes[entry.export] = type(entry.export, (mixin, ddp_strategy), body)
+        classes[entry.export] = type(entry.export, (mixin, bases[entry.base]), body)
     return classes

@@ -21,6 +21,7 @@ class _ByteCountingMixin:
     """For ``class X(_ByteCountingMixin, DDPStrategy)``; call :meth:`_start_counting` when a fit starts."""
 
     _trained_numel: int = 0
+    fp32_baseline: str = "DDP's fp32 allreduce"  # what fp32_bytes prices, in words (reports say it)
 
     def _init_counting(self) -> None:
         self._comm_before = CommStats()
@@ -36,6 +37,10 @@ class _ByteCountingMixin:
         """Whether the coming optimizer step's backward ran without DDP's allreduce."""
         return False
 
+    def _fp32_step_bytes(self) -> int:
+        """What DDP's fp32 ring allreduce of the trained params sends per step (the baseline)."""
+        return ring_allreduce_bytes(self._trained_numel, self.world_size)
+
     def comm_summary(self) -> dict[str, Any]:
         """Totals of this fit, per rank: bytes sent (DDP's switchable allreduce plus the optimizer's own
         collectives) and what DDP's fp32 ring allreduce would have sent."""
@@ -44,6 +49,7 @@ class _ByteCountingMixin:
             **t,
             "compression_ratio": t["fp32_bytes"] / t["bytes_sent"] if t["bytes_sent"] else None,
             "world_size": self.world_size,
+            "baseline": self.fp32_baseline,
         }
 
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
@@ -53,7 +59,7 @@ class _ByteCountingMixin:
         delta = now - self._comm_before
         sent = delta.bytes_sent
         self._comm_before = now.copy()
-        fp32 = ring_allreduce_bytes(self._trained_numel, self.world_size)
+        fp32 = self._fp32_step_bytes()
         # inter_node_bytes: what left the node (all of bytes_sent unless the exchange is hierarchical)
         self.comm_last_step = {"bytes_sent": sent, "fp32_bytes": fp32, "ddp_allreduce": not local,
                                "inter_node_bytes": delta.inter_node_bytes}

@@ -8,7 +8,7 @@ accepts them. ``import lightning_optim`` registers them in ``pytorch_lightning``
 from __future__ import annotations
 
 from pytorch_lightning import Callback
-from pytorch_lightning.strategies import DDPStrategy
+from pytorch_lightning.strategies import DDPStrategy, ModelParallelStrategy
 
 from lightning_optim.catalogue import STRATEGIES as _CATALOGUE
 from lightning_optim.lightning import registry as _registry
@@ -26,7 +26,8 @@ class ConsensusTelemetry(_ConsensusTelemetryMixin, Callback):
 
 
 # One class per catalogue strategy: OnebitAdamStrategy, ..., PowerSGDStrategy, ... (lightning_optim.lightning._flavour).
-_CLASSES = build(DDPStrategy, CommTelemetry, ConsensusTelemetry, __name__)
+_BASES = {"DDPStrategy": DDPStrategy, "ModelParallelStrategy": ModelParallelStrategy}
+_CLASSES = build(_BASES, CommTelemetry, ConsensusTelemetry, __name__)
 globals().update(_CLASSES)
 STRATEGIES = {name: _CLASSES[entry.export] for name, entry in _CATALOGUE.items()}  # the catalogue's names
 __all__ = [*_CLASSES, "CommTelemetry", "ConsensusTelemetry", "STRATEGIES"]

@@ -46,7 +46,7 @@ See docs/distributed.md.
 from __future__ import annotations
 
 from lightning.pytorch import Callback
-from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 
 from lightning_optim.catalogue import STRATEGIES as _CATALOGUE
 from lightning_optim.lightning import registry as _registry
@@ -60,7 +60,8 @@ class ConsensusTelemetry(_ConsensusTelemetryMixin, Callback):
 
 
 # One class per catalogue strategy: OnebitAdamStrategy, ..., PowerSGDStrategy, ... (lightning_optim.lightning._flavour).
-_CLASSES = build(DDPStrategy, CommTelemetry, ConsensusTelemetry, __name__)
+_BASES = {"DDPStrategy": DDPStrategy, "ModelParallelStrategy": ModelParallelStrategy}
+_CLASSES = build(_BASES, CommTelemetry, ConsensusTelemetry, __name__)
 globals().update(_CLASSES)
 STRATEGIES = {name: _CLASSES[entry.export] for name, entry in _CATALOGUE.items()}  # the catalogue's names
 __all__ = [*_CLASSES, "ConsensusTelemetry", "STRATEGIES"]

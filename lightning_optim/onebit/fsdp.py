@@ -81,15 +81,17 @@ class OnebitFSDP:
     def __init__(self, model: nn.Module, optimizer: OnebitOptimizer, replicate_group: dist.ProcessGroup) -> None:
         self.model, self.optimizer, self.replicate_group = model, optimizer, replicate_group
         self.modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        self.roots = _fsdp_roots(model)  # where FSDP's iteration state lives (``model`` itself for onebit_fsdp)
         names = {id(m): name or "<root>" for name, m in model.named_modules()}
-        self.comms = [ShardGradients(names[id(m)], flat_order(m)) for m in self.modules]
+        replicas = dist.get_world_size(replicate_group)
+        self.comms = [ShardGradients(names[id(m)], flat_order(m), replicas) for m in self.modules]
         self.all_reduce_skipped = False  # a backward ran without the all-reduce since the last forward
         self._saved = {key: getattr(optimizer, key) for key in ("process_group", "average_grads",
                                                                   "ddp_allreduce_managed")}
         self._hooks: list[Any] = []
 
     # ------------------------------------------------------------------ install / remove
-    def _install(self) -> None:
+    def _install(self, *, forward_hook: bool = True) -> None:
         for module, comm in zip(self.modules, self.comms):
             if comm.params:
                 module.set_custom_reduce_scatter(comm)
@@ -99,7 +101,8 @@ class OnebitFSDP:
         opt.process_group = self.replicate_group  # the momenta are exchanged among the holders of one shard
         opt.average_grads = False  # HSDP's own all-reduce averages the warmup's gradients
         opt.ddp_allreduce_managed = True
-        self._hooks.append(self.model.register_forward_pre_hook(self._before_forward, prepend=True))
+        if forward_hook:  # else the caller calls prepare_backward() (Lightning: the strategy, per training step)
+            self._hooks.append(self.model.register_forward_pre_hook(lambda *_: self.prepare_backward(), prepend=True))
         self._hooks.append(opt.register_step_pre_hook(self._before_step))
         _INSTALLED.add(self.model)
 
@@ -118,8 +121,9 @@ class OnebitFSDP:
         _INSTALLED.discard(self.model)
 
     # ------------------------------------------------------------------ per step
-    def _before_forward(self, module: nn.Module, args: Any) -> None:
-        """Set the next backward's reduction from the optimizer's stage (equal on every rank)."""
+    def prepare_backward(self) -> None:
+        """Set the next backward's reduction from the optimizer's stage (equal on every rank); runs before
+        every forward of the model (a forward pre-hook) unless installed for a caller that runs it."""
         self._drop_partial_reduction()
         averaged = self.optimizer.needs_averaged_grads
         check = averaged and self.optimizer.global_step == 0  # the first full-precision backward checks the layout
@@ -138,8 +142,24 @@ class OnebitFSDP:
         (``reset_iter_state`` discards them, the root being idle between iterations), so a later all-reduce
         (ZeroOneAdam's variance steps, :meth:`remove`) averages only its own backward."""
         if self.all_reduce_skipped:
-            self.model.reset_iter_state()
+            for root in self.roots:
+                root.reset_iter_state()
             self.all_reduce_skipped = False
+
+
+def _fsdp_roots(model: nn.Module) -> list[nn.Module]:
+    """The FSDP modules of ``model`` with no FSDP module above them (each holds one iteration state)."""
+    roots: list[nn.Module] = []
+
+    def visit(m: nn.Module) -> None:
+        if isinstance(m, FSDPModule):
+            roots.append(m)
+            return
+        for child in m.children():
+            visit(child)
+
+    visit(model)
+    return roots
 
 
 def _mesh_of(params: list[torch.Tensor]) -> Any:
@@ -205,12 +225,19 @@ def onebit_fsdp(model: nn.Module, optimizer: OnebitOptimizer) -> OnebitFSDP:
                            "use a newer torch (tested with 2.13)")
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected an nn.Module sharded by fully_shard, got {type(model).__name__}")
+    if not isinstance(model, FSDPModule) and any(isinstance(m, FSDPModule) for m in model.modules()):
+        raise ValueError("model: apply fully_shard to the root module too (onebit_fsdp switches the reduction from "
+                         "the root, before every forward)")
+    return install(model, optimizer, forward_hook=True)
+
+
+def install(model: nn.Module, optimizer: OnebitOptimizer, *, forward_hook: bool) -> OnebitFSDP:
+    """:func:`onebit_fsdp` for a ``model`` that contains FSDP modules; without ``forward_hook`` the caller
+    runs :meth:`OnebitFSDP.prepare_backward` before every forward (the Lightning strategy: its
+    LightningModule is not the module that is called)."""
     if not any(isinstance(m, FSDPModule) for m in model.modules()):
         raise ValueError("model: has no FSDP modules; apply torch.distributed.fsdp.fully_shard (on a 2-D replicate x "
                          "shard mesh) to its layers and to the model itself first")
-    if not isinstance(model, FSDPModule):
-        raise ValueError("model: apply fully_shard to the root module too (onebit_fsdp switches the reduction from "
-                         "the root, before every forward)")
     if model in _INSTALLED:
         raise ValueError("model: onebit_fsdp is already installed on it; call .remove() on the first handle first")
     optimizer = _check_optimizer(optimizer)
@@ -233,5 +260,5 @@ def onebit_fsdp(model: nn.Module, optimizer: OnebitOptimizer) -> OnebitFSDP:
             raise ValueError(f"process_group: holds ranks {sorted(given)}, but this rank's replicas of its shard are "
                              f"ranks {sorted(wanted)} (the mesh's replicate dimension); pass process_group=None")
     handle = OnebitFSDP(model, optimizer, replicate)
-    handle._install()
+    handle._install(forward_hook=forward_hook)
     return handle

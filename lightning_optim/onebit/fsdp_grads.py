@@ -27,6 +27,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_optim.comm.stats import comm_stats
+
 try:  # public since torch 2.6; an older torch still imports lightning_optim (onebit_fsdp then refuses)
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -92,12 +94,14 @@ class ShardGradients:
     """A module's reduce-scatter (FSDP2's ``ReduceScatter`` interface: ``allocate`` and ``__call__``).
 
     ``capture``: write the module's gradients from the reduce-scattered shard (the all-reduce is off);
-    otherwise a plain reduce-scatter, as torch's default (torch writes the gradients after its all-reduce).
+    otherwise a plain reduce-scatter, as torch's default (torch writes the gradients after its all-reduce,
+    whose bytes are added to ``comm_stats()`` here).
     """
 
-    def __init__(self, name: str, params: Sequence[DTensor]) -> None:
+    def __init__(self, name: str, params: Sequence[DTensor], replicas: int) -> None:
         self.name = name
         self.params = list(params)
+        self.replicas = replicas  # the all-reduce that follows a plain reduce-scatter spans them
         self.capture = False
         self.last_output: Tensor | None = None  # kept while a layout check is pending (full-precision steps)
         self.keep_output = False
@@ -119,8 +123,12 @@ class ShardGradients:
             if work is not None:
                 work.wait()
             self._write_grads(output_tensor)
-        elif self.keep_output:
-            self.last_output = output_tensor
+        else:
+            # HSDP all-reduces this output over the replicas next (torch's collective: counted here, where its
+            # tensor is known, so comm_stats sees the warmup's traffic as it sees the 1-bit exchange's)
+            comm_stats().add_full_precision(output_tensor.numel(), self.replicas, output_tensor.element_size())
+            if self.keep_output:
+                self.last_output = output_tensor
         return work
 
     def _pieces(self, flat: Tensor) -> list[tuple[DTensor, Tensor]]:

@@ -20,6 +20,8 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
+from lightning_optim.onebit.layout import local_tensor
+
 
 class OnebitOptimizer(Protocol):
     """What the conversion reads of a 1-bit optimizer (``onebit.base.OnebitOptimizer`` has it; this
@@ -69,10 +71,11 @@ def plain_to_onebit(optimizer: OnebitOptimizer, state_dict: dict[str, Any]) -> d
                     f"{sorted(_MOMENTS + ('step',))} (missing: {sorted(set(_MOMENTS) - keys)}, "
                     f"not {name}'s: {sorted(keys - allowed)})"
                 )
+            shape = tuple(local_tensor(p).shape)  # a sharded param's moments are its shard's
             for key in _MOMENTS:
-                if tuple(entry[key].shape) != tuple(p.shape):
+                if tuple(entry[key].shape) != shape:
                     raise ValueError(f"state_dict: param {pid} {key} has shape {tuple(entry[key].shape)}, "
-                                     f"the param {tuple(p.shape)}")
+                                     f"the param {shape}")
             converted = {key: entry[key].detach().to(torch.float32) for key in _MOMENTS}
             for key in optimizer._plain_state_extras:  # e.g. LAMB's last trust ratio
                 if key in entry:

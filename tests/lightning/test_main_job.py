@@ -41,8 +41,8 @@ def test_overrides_of_the_onebit_knobs(compose_train):
     assert type(lightning_arg(dict(lamb.strategy))) is OnebitLambStrategy and lamb.trainer.devices == 2
 
 
-def _run_job(tmp_path: Path, *overrides: str) -> tuple[subprocess.CompletedProcess, dict, Path]:
-    """The main job on 2 processes for 8 small steps; checks it trained, returns (process, summary, run dir)."""
+def _run_job(tmp_path: Path, *overrides: str, world: int = 2) -> tuple[subprocess.CompletedProcess, dict, Path]:
+    """The main job on ``world`` processes for 8 small steps; checks it trained, returns (process, summary, run dir)."""
     run_dir = tmp_path / "run"
     command = [sys.executable, "-m", "lightning_optim.train", "trainer=smoke", "trainer.max_steps=8",
                "trainer.val_check_interval=8", *overrides, "data.max_bytes=100000",
@@ -51,7 +51,7 @@ def _run_job(tmp_path: Path, *overrides: str) -> tuple[subprocess.CompletedProce
     result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["world_size"] == 2 and summary["steps"] == 8
+    assert summary["world_size"] == world and summary["steps"] == 8
     assert summary["final_val_loss"] < summary["initial_val_loss"]
     return result, summary, run_dir
 
@@ -68,7 +68,7 @@ def test_cli_default_runs_two_processes_and_rank_0_writes(tmp_path: Path):
     # the stage switch: said once on the console and in train.log, marked in summary.json (and loss.png)
     switch = "lightning-optim: step 4: the 1-bit stage starts: OnebitAdam exchanges 1-bit compressed momentum"
     assert result.stdout.count(switch) == 1 and comm["stage_switch_step"] == 4
-    assert "4 of 8 steps without DDP's allreduce, from step 4)" in result.stdout
+    assert "4 of 8 steps without DDP's fp32 allreduce, from step 4)" in result.stdout
     job_log = (run_dir / "train.log").read_text()  # our messages and Lightning's, time-stamped
     assert switch in job_log and "lightning-optim run summary" in job_log and "bytes sent per rank" in job_log
     assert "Initializing distributed: GLOBAL_RANK: 0" in job_log
@@ -91,3 +91,13 @@ def test_cli_gradient_release_on_the_default_config_with_bf16_kahan(tmp_path: Pa
     assert len(notes) == 2, result.stdout  # rank 0 only
     job_log = (run_dir / "train.log").read_text()
     assert all(line in job_log for line in notes) and "lightning-optim run summary" in job_log
+
+
+def test_cli_onebit_fsdp_runs_hsdp_with_1bit_across_replicas(tmp_path: Path):
+    """strategy=onebit_fsdp: 4 processes as 2 replicas x 2 shards; HSDP's fp32 all-reduce, then 1-bit."""
+    result, summary, _ = _run_job(tmp_path, "strategy=onebit_fsdp", "strategy.freeze_step=4", world=4)
+    comm = summary["comm"]
+    assert comm["optimizer"] == "OnebitAdam" and comm["steps"] == 8 and comm["steps_without_ddp_allreduce"] == 4
+    assert comm["baseline"] == "HSDP's fp32 all-reduce" and comm["compression_ratio"] > 1.8
+    assert "step 4: the 1-bit stage starts: OnebitAdam exchanges 1-bit compressed momentum instead of HSDP's" \
+        in result.stdout
