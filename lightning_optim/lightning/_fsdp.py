@@ -25,16 +25,13 @@ What the strategy adds to ``ModelParallelStrategy``:
 
 from __future__ import annotations
 
-import io
 import math
 import sys
-import warnings
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from lightning_optim.catalogue import OPTIMIZERS
@@ -46,13 +43,13 @@ from lightning_optim.lightning._telemetry import _ByteCountingMixin
 from lightning_optim.lightning.convert import retarget_schedulers, to_onebit
 from lightning_optim.onebit import OnebitAdam, OnebitOptimizer
 from lightning_optim.onebit.fsdp import OnebitFSDP, install
+from lightning_optim.onebit.fsdp_checkpoint import has_rank_state, load_hsdp_adam_state, load_rank_state, rank_state
 from lightning_optim.onebit.fsdp_grads import FSDPModule
 from lightning_optim.onebit.layout import local_tensor
 
 __all__ = ["_OnebitFSDPMixin"]
 
 _OPTIMIZERS = ("onebit_adam", "zero_one_adam")
-_BLOB = "onebit_rank{}"  # this rank's own state, inside the optimizer's entry of the DCP checkpoint
 
 
 class _OnebitFSDPMixin(_AgreedClipMixin, _ByteCountingMixin, _CommFailureMixin):
@@ -241,72 +238,21 @@ class _OnebitFSDPMixin(_AgreedClipMixin, _ByteCountingMixin, _CommFailureMixin):
 
     # ------------------------------------------------------------------ checkpoints
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        opt = getattr(optimizer, "_optimizer", optimizer)
-        own = {"optimizer": opt.state_dict(), "params": None}
-        if not opt.params_synchronized:  # ZeroOneAdam between synchronisations: DCP keeps one replica's shard
-            own["params"] = [local_tensor(p).detach().clone() for p in self.lightning_module.parameters()]
-        blob = io.BytesIO()
-        torch.save(own, blob)
-        blob.seek(0)
-        return {_BLOB.format(self.global_rank): blob}
+        return rank_state(getattr(optimizer, "_optimizer", optimizer), self.lightning_module)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(checkpoint_path))
-        key = _BLOB.format(self.global_rank)
-        fabric = sys.modules[_model_parallel_base(self).__module__]
         module = self.lightning_module
+        fabric = sys.modules[_model_parallel_base(self).__module__]
         metadata = fabric._load_checkpoint(path=path, state={"state_dict": module}, strict=module.strict_loading,
                                            weights_only=weights_only)
-        if _has_key(path, f"optimizer_0.{key}"):
-            self._load_own_state(path, key)
+        if has_rank_state(path, "optimizer_0"):
+            load_rank_state(self._onebit, module, path, "optimizer_0")
         else:  # plain HSDP (ModelParallelStrategy with Adam/AdamW): torch's sharded moments
-            self._onebit.load_state_dict(_torch_adam_state(module, self._onebit, path))
+            load_hsdp_adam_state(self._onebit, module, path, "optimizer_0")
         metadata.pop("optimizer_states", None)
         return metadata
-
-    def _load_own_state(self, path: Path, key: str) -> None:
-        from torch.distributed.checkpoint import load
-
-        state = {"optimizer_0": {key: io.BytesIO()}}
-        load(state, checkpoint_id=path)
-        blob = state["optimizer_0"][key]
-        blob.seek(0)
-        own = torch.load(blob, weights_only=True)
-        self._onebit.load_state_dict(own["optimizer"])
-        if own["params"] is not None:
-            with torch.no_grad():
-                for p, saved in zip(self.lightning_module.parameters(), own["params"]):
-                    local_tensor(p).copy_(saved)
-
-
-def _torch_adam_state(module: nn.Module, onebit: OnebitOptimizer, path: Path) -> dict[str, Any]:
-    """The state dict of a torch AdamW with ``onebit``'s param groups, loaded from the DCP checkpoint at ``path``
-    as ``ModelParallelStrategy`` saved it (``optimizer_0``; moments as DTensors, keyed by param name), with
-    this rank's shards: the plain Adam state the 1-bit optimizers load (their stage follows from its step count)."""
-    from torch.distributed.checkpoint import load
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
-
-    groups = [{**{k: v for k, v in g.items() if k in ("lr", "betas", "eps", "weight_decay")}, "params": g["params"]}
-              for g in onebit.param_groups]
-    stand_in = torch.optim.AdamW(groups)  # its state template has the DTensor moments the checkpoint holds
-    state = {"optimizer_0": get_optimizer_state_dict(module, stand_in)}
-    load(state, checkpoint_id=path)
-    set_optimizer_state_dict(module, stand_in, optim_state_dict=state["optimizer_0"])
-    loaded = stand_in.state_dict()
-    # the 1-bit optimizers keep their shard's moments as plain tensors
-    loaded["state"] = {pid: {k: local_tensor(v) for k, v in entry.items()} for pid, entry in loaded["state"].items()}
-    return loaded
 
 
 def _model_parallel_base(strategy: Any) -> type:
     return next(c for c in type(strategy).__mro__ if c.__name__ == "ModelParallelStrategy")
-
-
-def _has_key(path: Path, key: str) -> bool:
-    from torch.distributed.checkpoint import FileSystemReader
-
-    try:
-        return key in FileSystemReader(path).read_metadata().state_dict_metadata
-    except (OSError, ValueError, RuntimeError) as exc:
-        warnings.warn(f"could not read the DCP metadata of {path}: {exc!r}", stacklevel=2)
-        return False

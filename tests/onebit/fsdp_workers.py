@@ -7,7 +7,6 @@ replicas of shard s. Every rank gets its own batch (seeded by step and rank).
 
 from __future__ import annotations
 
-import io
 import warnings
 
 import torch
@@ -19,7 +18,7 @@ from torch.distributed.fsdp import fully_shard
 
 from lightning_optim import OnebitAdam, OnebitLamb, ZeroOneAdam
 from lightning_optim.comm import comm_stats, reset_comm_stats
-from lightning_optim.onebit import onebit_fsdp
+from lightning_optim.onebit import load_rank_state, onebit_fsdp, rank_state
 from tests.distributed import error_text
 
 REPLICAS, SHARDS = 2, 2
@@ -135,19 +134,14 @@ def _train(model, optimizer, steps, rank, replicate_ranks, record):
 
 
 def _save(model, optimizer, path: str, rank: int) -> None:
-    blob = io.BytesIO()
-    torch.save(optimizer.state_dict(), blob)  # this rank's shard of the moments and its error buffers
-    blob.seek(0)
-    dcp.save({"model": model.state_dict(), f"optimizer_rank{rank}": blob}, checkpoint_id=path)
+    dcp.save({"model": model.state_dict(), "optim": rank_state(optimizer, model)}, checkpoint_id=path)
 
 
 def _load(model, optimizer, path: str, rank: int) -> None:
-    state = {"model": model.state_dict(), f"optimizer_rank{rank}": io.BytesIO()}
+    state = {"model": model.state_dict()}
     dcp.load(state, checkpoint_id=path)
     model.load_state_dict(state["model"])
-    blob = state[f"optimizer_rank{rank}"]  # DCP fills the BytesIO with what this rank saved
-    blob.seek(0)
-    optimizer.load_state_dict(torch.load(blob, weights_only=True))
+    load_rank_state(optimizer, model, path, "optim")
 
 
 def train_suite(rank: int, world: int, name: str, ckpt_dir: str) -> dict:
