@@ -1,20 +1,25 @@
-"""N network namespaces joined by a Linux bridge, each rank's veth shaped with tc tbf.
+"""Rank network namespaces on Linux bridges, shaped with tc tbf: flat (one bridge) or two-level (nodes).
 
-``benchmarks/comm.py``'s ``netns_pair`` joins two namespaces by one veth pair; this is its
+``benchmarks/comm.py``'s ``netns_pair`` joins two namespaces by one veth pair; ``netns_bridge`` is its
 N-rank form for ``benchmarks/scale_model.py --validate``: a hub namespace holds the bridge, every
 rank namespace has one veth into it, and both ends of every veth are shaped to ``rate`` (tbf), so
-each rank sends and receives at most ``rate``. Only 10.124.0.0/24 is used, inside namespaces this
-creates; they are deleted on exit (also on SIGINT/SIGTERM).
+each rank sends and receives at most ``rate``. ``netns_nodes`` is the two-level form for
+``benchmarks/hierarchy.py``: one bridge per node (the node's rank veths unshaped), each node bridge joined
+to a core bridge by an uplink veth shaped to ``rate`` at both ends, so only inter-node traffic is shaped and
+all of a node's ranks share its uplink. Only 10.124.0.0/24 is used, inside namespaces this creates; they
+are deleted on exit (also on SIGINT/SIGTERM).
 """
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 SUBNET = "10.124.0"
 
@@ -36,16 +41,28 @@ def _shape(namespace: str, device: str, rate: str, burst: str) -> None:
           "rate", rate, "burst", burst, "latency", "50ms"])
 
 
-@contextlib.contextmanager
-def netns_bridge(count: int, rate: str = "1gbit",
-                 burst: str = "512kb") -> Iterator[tuple[list[tuple[str, ...]], list[dict[str, str]]]]:
-    """``count`` rank namespaces on one bridge; yields per rank the command prefix and environment.
+def _bridge(hub: str, name: str) -> None:
+    _run(["ip", "-n", hub, "link", "add", name, "type", "bridge"])
+    _run(["ip", "-n", hub, "link", "set", name, "up"])
 
-    ``burst``: the tbf bucket (comm.py's 512kb; 64kb made TCP lose a third of the rate at 3-4 ranks). A message
-    that fits in a full bucket passes unshaped: time 1-bit phases of several MB.
-    Rank ``r`` listens on ``rank_address(r)``. Raises ``NetnsUnavailable`` before yielding where
-    namespaces cannot be made.
-    """
+
+def _attach_rank(tag: str, hub: str, ns: str, r: int, bridge: str) -> tuple[str, str]:
+    """Rank ``r``'s namespace ``ns``: a veth (``eth0`` inside, ``p<r>`` in the hub on ``bridge``)."""
+    inside, outside = "eth0", f"p{r}"
+    _run(["ip", "link", "add", f"{tag}x{r}", "netns", ns, "type", "veth", "peer", "name", outside, "netns", hub])
+    _run(["ip", "-n", ns, "link", "set", f"{tag}x{r}", "name", inside])
+    _run(["ip", "-n", ns, "addr", "add", f"{rank_address(r)}/24", "dev", inside])
+    _run(["ip", "-n", ns, "link", "set", inside, "up"])
+    _run(["ip", "-n", ns, "link", "set", "lo", "up"])
+    _run(["ip", "-n", hub, "link", "set", outside, "master", bridge])
+    _run(["ip", "-n", hub, "link", "set", outside, "up"])
+    return inside, outside
+
+
+@contextlib.contextmanager
+def _namespaces(count: int, build: Callable[[str, str, list[str]], object]) -> Iterator[tuple]:
+    """A hub and ``count`` rank namespaces; ``build(tag, hub, ranks)`` wires them (its errors and the
+    namespaces' become ``NetnsUnavailable``). Yields ``(prefixes, envs, built)``; deletes all on exit."""
     if count < 2:
         raise ValueError(f"count must be >= 2, got {count}")
     if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"):
@@ -61,27 +78,78 @@ def netns_bridge(count: int, rate: str = "1gbit",
     old = {s: signal.signal(s, lambda *a: (cleanup(), sys.exit(130))) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         try:
-            _run(["ip", "netns", "add", hub])
-            _run(["ip", "-n", hub, "link", "add", "br0", "type", "bridge"])
-            _run(["ip", "-n", hub, "link", "set", "br0", "up"])
-            for r, ns in enumerate(ranks):
-                inside, outside = "eth0", f"p{r}"
+            for ns in [hub, *ranks]:
                 _run(["ip", "netns", "add", ns])
-                _run(["ip", "link", "add", f"{tag}x{r}", "netns", ns, "type", "veth",
-                      "peer", "name", outside, "netns", hub])
-                _run(["ip", "-n", ns, "link", "set", f"{tag}x{r}", "name", inside])
-                _run(["ip", "-n", ns, "addr", "add", f"{rank_address(r)}/24", "dev", inside])
-                _run(["ip", "-n", ns, "link", "set", inside, "up"])
-                _run(["ip", "-n", ns, "link", "set", "lo", "up"])
-                _run(["ip", "-n", hub, "link", "set", outside, "master", "br0"])
-                _run(["ip", "-n", hub, "link", "set", outside, "up"])
-                _shape(ns, inside, rate, burst)
-                _shape(hub, outside, rate, burst)
+            built = build(tag, hub, ranks)
         except (subprocess.CalledProcessError, OSError) as exc:
             detail = exc.stderr.decode().strip() if getattr(exc, "stderr", None) else str(exc)
             raise NetnsUnavailable(f"not permitted here ({detail})") from None
-        yield [("ip", "netns", "exec", ns) for ns in ranks], [{"GLOO_SOCKET_IFNAME": "eth0"} for _ in ranks]
+        yield [("ip", "netns", "exec", ns) for ns in ranks], [{"GLOO_SOCKET_IFNAME": "eth0"} for _ in ranks], built
     finally:
         cleanup()
         for s, h in old.items():
             signal.signal(s, h)
+
+
+@contextlib.contextmanager
+def netns_bridge(count: int, rate: str = "1gbit",
+                 burst: str = "512kb") -> Iterator[tuple[list[tuple[str, ...]], list[dict[str, str]]]]:
+    """``count`` rank namespaces on one bridge; yields per rank the command prefix and environment.
+
+    ``burst``: the tbf bucket (comm.py's 512kb; 64kb made TCP lose a third of the rate at 3-4 ranks). A message
+    that fits in a full bucket passes unshaped: time 1-bit phases of several MB.
+    Rank ``r`` listens on ``rank_address(r)``. Raises ``NetnsUnavailable`` before yielding where
+    namespaces cannot be made.
+    """
+    def build(tag: str, hub: str, ranks: list[str]) -> None:
+        _bridge(hub, "br0")
+        for r, ns in enumerate(ranks):
+            inside, outside = _attach_rank(tag, hub, ns, r, "br0")
+            _shape(ns, inside, rate, burst)
+            _shape(hub, outside, rate, burst)
+
+    with _namespaces(count, build) as (prefixes, envs, _):
+        yield prefixes, envs
+
+
+@dataclass(frozen=True)
+class Uplinks:
+    """The inter-node links of ``netns_nodes``: in namespace ``hub``, ``up<k>`` carries what leaves node k."""
+
+    hub: str
+    devices: tuple[str, ...]
+
+    def tx_bytes(self) -> int:
+        """Bytes that left any node so far (wire counters: Ethernet frames incl. TCP/IP headers)."""
+        out = subprocess.run(["ip", "-n", self.hub, "-s", "-j", "link", "show"], check=True,
+                             capture_output=True, text=True).stdout
+        stats = {link["ifname"]: link["stats64"]["tx"]["bytes"] for link in json.loads(out)}
+        return sum(stats[d] for d in self.devices)
+
+
+@contextlib.contextmanager
+def netns_nodes(nodes: int, per_node: int, rate: str = "1gbit",
+                burst: str = "512kb") -> Iterator[tuple[list[tuple[str, ...]], list[dict[str, str]], Uplinks]]:
+    """``nodes`` x ``per_node`` rank namespaces, node k holding ranks ``k*per_node .. k*per_node+per_node-1``.
+
+    Ranks of a node share the node's bridge over unshaped veths; node bridge k reaches the core bridge over
+    the veth ``up<k>`` / ``dn<k>``, both ends shaped to ``rate``. Yields per rank the command prefix and
+    environment, and the ``Uplinks`` (their tx counters). Raises ``NetnsUnavailable`` before yielding."""
+    if nodes < 2 or per_node < 1:
+        raise ValueError(f"need nodes >= 2 and per_node >= 1, got {nodes} x {per_node}")
+
+    def build(tag: str, hub: str, ranks: list[str]) -> Uplinks:
+        _bridge(hub, "core")
+        for k in range(nodes):
+            _bridge(hub, f"node{k}")
+            _run(["ip", "-n", hub, "link", "add", f"up{k}", "type", "veth", "peer", "name", f"dn{k}"])
+            for dev, bridge in ((f"up{k}", f"node{k}"), (f"dn{k}", "core")):
+                _run(["ip", "-n", hub, "link", "set", dev, "master", bridge])
+                _run(["ip", "-n", hub, "link", "set", dev, "up"])
+                _shape(hub, dev, rate, burst)
+            for r in range(k * per_node, (k + 1) * per_node):
+                _attach_rank(tag, hub, ranks[r], r, f"node{k}")
+        return Uplinks(hub, tuple(f"up{k}" for k in range(nodes)))
+
+    with _namespaces(nodes * per_node, build) as made:
+        yield made
