@@ -13,8 +13,8 @@ a node share it). In the same processes, interleaved, on one flat fp32 buffer (r
   ``all_reduce``, which does the work of both;
 * ``hier fp32``: ``HierarchicalOnebitCompressor(2).average_flat_`` (the same with fp32 across nodes);
 * ``flat fp32``: ``torch.distributed.all_reduce`` over all 4 ranks (+ division);
-* ``node fp32``: ``all_reduce`` inside each node only (both nodes at once): the intra-node link the model is
-  given (it is not a variant).
+* ``node fp32``: ``all_reduce`` inside each node only (both nodes at once), and ``node rsag``: the library's
+  reduce-scatter + all-gather inside each node: the intra-node links the model is given (not variants).
 
 Per exchange: the slowest rank's time (median of ``--iters`` after ``--warmup``), the time spent in the node
 collectives and in the other collectives (slowest rank, waits included), the bytes that crossed the uplinks
@@ -22,8 +22,9 @@ collectives and in the other collectives (slowest rank, waits included), the byt
 around the call too) and ``CommStats`` summed over the ranks (``inter_node_bytes``; the flat 1-bit exchange
 knows no nodes, so its figure is all it sent, same node included; ``dist.all_reduce`` is not counted). The
 model column is ``scale_formulas`` (``allreduce`` / ``onebit_allreduce`` with a hierarchical ``Topology``):
-inter link = the tc rate shared by the ranks crossing it; intra link = fitted on ``node fp32`` (reduce-scatter
-+ all-gather priced as one such all_reduce, the ``(ar)`` variant's as two); 1-bit compute measured here at each
+inter link = the tc rate shared by the ranks crossing it; intra link = fitted on ``node rsag`` (the library's
+reduce-scatter + all-gather, priced by the formulas as one ring all-reduce's bytes), for the ``(ar)``
+variant on ``node fp32`` (two all_reduces); 1-bit compute measured here at each
 call's own size and world (one rank alone, collectives skipped) x ``memory_share_slowdown(4)`` (4 ranks
 computing at once on this VM).
 
@@ -52,10 +53,11 @@ from netns_bridge import NetnsUnavailable, Uplinks, netns_nodes, rank_address  #
 NODES, PER_NODE = 2, 2
 WORLD = NODES * PER_NODE
 PORT = 29563
-VARIANTS = ("flat_1bit", "hier_1bit", "hier_1bit_ar", "hier_fp32", "flat_fp32", "node_fp32")
+VARIANTS = ("flat_1bit", "hier_1bit", "hier_1bit_ar", "hier_fp32", "flat_fp32", "node_fp32", "node_rsag")
 LABELS = {"flat_1bit": "flat 1-bit", "hier_1bit": "hier 1-bit", "hier_1bit_ar": "hier 1-bit (ar)",
           "hier_fp32": "hier fp32",
-          "flat_fp32": "flat fp32 all_reduce", "node_fp32": "node fp32 (intra link fit)"}
+          "flat_fp32": "flat fp32 all_reduce", "node_fp32": "node fp32 all_reduce (intra fit, ar)",
+          "node_rsag": "node fp32 reduce-scatter + all-gather (intra fit)"}
 
 
 # ----------------------------------------------------------------------------- rank side
@@ -103,6 +105,14 @@ def worker(numel: int, iters: int, warmup: int, hub: str, devices: list[str]) ->
         dist.all_reduce(x, group=groups.intra)
         x.div_(PER_NODE)
 
+    half = torch.empty(-(-numel // PER_NODE))
+    padded = torch.zeros(half.numel() * PER_NODE)
+
+    def node_rsag(x):  # the library's node collectives (hierarchy._reduce_scatter_single / _all_gather_single)
+        padded[:numel].copy_(x)
+        hierarchy_mod._reduce_scatter_single(half, padded, group=groups.intra)
+        hierarchy_mod._all_gather_single(padded, half, group=groups.intra)
+
     # synchronous stand-ins for collective(); padded is hierarchy's scratch (overwritten by the all-gather anyway)
     def reduce_scatter_ar(out, padded, group=None, async_op=False):
         dist.all_reduce(padded, group=group)
@@ -125,7 +135,7 @@ def worker(numel: int, iters: int, warmup: int, hub: str, devices: list[str]) ->
 
     hier_ar = HierarchicalOnebitCompressor(PER_NODE)
     calls = {"flat_1bit": flat.reduce_flat_, "hier_1bit": hier.reduce_flat_, "hier_1bit_ar": hier_1bit_ar,
-             "hier_fp32": hier.average_flat_, "flat_fp32": flat_fp32, "node_fp32": node_fp32}
+             "hier_fp32": hier.average_flat_, "flat_fp32": flat_fp32, "node_fp32": node_fp32, "node_rsag": node_rsag}
     rows: dict[str, dict[str, list[float]]] = {v: {"s": [], "node_s": [], "cross_s": [], "wire": []} for v in VARIANTS}
     telemetry: dict[str, list[int]] = {}
     for it in range(warmup + iters):
@@ -199,11 +209,14 @@ def model(res: dict, rate: str, args, onebit_s_per_elem: dict[str, float]) -> di
     import scale_validation as sv
 
     n, alpha, link_bytes = args.numel, args.alpha_us * 1e-6, rate_bits(rate) / 8
-    intra = sf.Link(0.0, sf.ring_allreduce_bytes(n, PER_NODE) / res["node_fp32"]["s"])
+    # the node link, fitted on the node collectives each variant uses: reduce-scatter + all-gather (the library,
+    # priced by the formulas as one ring all-reduce's bytes), or two all_reduces (the "(ar)" variant)
+    intra = sf.Link(0.0, sf.ring_allreduce_bytes(n, PER_NODE) / res["node_rsag"]["s"])
+    intra_ar = sf.Link(0.0, sf.ring_allreduce_bytes(n, PER_NODE) / res["node_fp32"]["s"] / 2)
     # each uplink carries: hierarchical, both ranks of the node (one peer each); flat 1-bit, every rank of the
     # node sends (W-L)/(W-1) of its bytes across; flat ring (0->1->2->3->0), one rank's ring traffic
     hier = sf.Topology(WORLD, sf.Link(alpha, link_bytes / PER_NODE), intra, PER_NODE)
-    hier_ar = sf.Topology(WORLD, hier.inter, sf.Link(0.0, intra.bytes_per_s / 2), PER_NODE)  # two all_reduces
+    hier_ar = sf.Topology(WORLD, hier.inter, intra_ar, PER_NODE)
     flat_1bit = sf.Topology(WORLD, sf.Link(alpha, link_bytes * (WORLD - 1) / (PER_NODE * (WORLD - PER_NODE))))
     flat_ring = sf.Topology(WORLD, sf.Link(alpha, link_bytes))
     here = sf.MEASURED_HERE
@@ -219,6 +232,38 @@ def model(res: dict, rate: str, args, onebit_s_per_elem: dict[str, float]) -> di
             "flat_fp32": sf.allreduce(n, flat_ring).seconds}
 
 
+def where_it_pays(res: dict, args, onebit_s_per_elem: dict[str, float]) -> list[dict]:
+    """The validated formulas of :func:`model` beyond this VM: flat 1-bit / hierarchical 1-bit exchange time
+    for node links from the one fitted here to NVLink-class, at 2 x 2 ranks (this run) and 8 nodes x 8."""
+    import scale_formulas as sf
+
+    n = args.numel
+    fitted = sf.ring_allreduce_bytes(n, PER_NODE) / res["node_rsag"]["s"]
+    rows = []
+    for intra_name, intra_bytes, speedup in (("fitted here", fitted, 1.0), ("10 GB/s (PCIe-class)", 10e9, 50.0),
+                                             ("100 GB/s (NVLink-class)", 100e9, 50.0)):
+        rates = sf.MEASURED_HERE.scaled(speedup)  # a GPU's HBM: the scale model's --compute-speedup 50
+        for inter_gbit in (1, 10):
+            for nodes, per_node in ((NODES, PER_NODE), (8, 8)):
+                world, inter = nodes * per_node, sf.gbit(inter_gbit, args.alpha_us * 1e-6)
+                hier = sf.Topology(world, sf.Link(inter.alpha_s, inter.bytes_per_s / per_node),
+                                   sf.Link(0.0, intra_bytes), per_node)
+                flat = sf.Topology(world, sf.Link(inter.alpha_s, inter.bytes_per_s * (world - 1)
+                                                  / (per_node * (world - per_node))))
+                if speedup == 1.0:
+                    rates = sf.ComputeRates(rates.adam_s_per_param, onebit_s_per_elem["flat"], rates.stream_bytes_per_s)
+                t_flat = sf.onebit_allreduce([n], flat).seconds + sf._onebit_compute(n, flat, rates)
+                t_hier = sf.onebit_allreduce([n], hier).seconds + sf._onebit_compute(n, hier, rates)
+                rows.append({"intra": intra_name, "inter_gbit": inter_gbit, "ranks": f"{nodes} x {per_node}",
+                             "flat_ms": t_flat * 1e3, "hier_ms": t_hier * 1e3, "ratio": t_flat / t_hier})
+    print(f"\n### Where hierarchical 1-bit pays (the formulas above, {n:,} fp32; uplink shared by the node's ranks)\n")
+    print("| node link | inter-node link | ranks | flat 1-bit ms | hier 1-bit ms | flat / hier |\n|---|---:|---|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['intra']} | {r['inter_gbit']} Gbit/s | {r['ranks']} | {r['flat_ms']:.1f} | {r['hier_ms']:.1f} | "
+              f"{r['ratio']:.2f}x |")
+    return rows
+
+
 def report(rate: str, res: dict, predicted: dict[str, float], args) -> dict:
     h1 = res["hier_1bit"]
     print(f"\n### {rate} between the nodes: {args.numel:,} fp32 ({args.numel * 4 / 1e6:.0f} MB), 2 nodes x 2 ranks, "
@@ -230,7 +275,7 @@ def report(rate: str, res: dict, predicted: dict[str, float], args) -> dict:
         m = predicted.get(v)
         cell = f"{m * 1e3:.1f} ({(m - r['s']) / r['s'] * 100:+.0f}%)" if m is not None else "(fit)"
         tel = r["telemetry"]["inter_node_bytes"]
-        tel_cell = "-" if v in ("flat_fp32", "node_fp32") else f"{tel / 1e6:.2f}"
+        tel_cell = "-" if v in ("flat_fp32", "node_fp32", "node_rsag") else f"{tel / 1e6:.2f}"
         tel_cell += " (all sent)" if v == "flat_1bit" else ""
         print(f"| {LABELS[v]} | {r['s'] * 1e3:.1f} | {r['s'] / h1['s']:.2f}x | {r['node_s'] * 1e3:.1f} | "
               f"{r['cross_s'] * 1e3:.1f} | {cell} | {r['wire'] / 1e6:.2f} | {tel_cell} |")
@@ -282,6 +327,7 @@ def main(argv=None) -> None:
                 out["onebit_compute_s_per_elem"] = compute
             predicted = model(res, rate, args, compute)
             out["rates"][rate] = {"result": res, "model_s": predicted, "ratios": report(rate, res, predicted, args)}
+        out["where_it_pays"] = where_it_pays(res, args, compute)
     except NetnsUnavailable as exc:
         print(f"NetnsUnavailable: {exc}; the benchmark needs network namespaces (root + iproute2): skipped")
         return
