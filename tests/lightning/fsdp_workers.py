@@ -16,6 +16,7 @@ from tests.lightning.workers import DATA, MODEL, SCHEDULER, SEQ_LEN, _optimizer
 FREEZE = 4
 EPOCH = 6  # steps per epoch; the checkpoint after the first epoch is mid-compression
 STEPS = 2 * EPOCH
+ZERO_ONE_EPOCH = 7  # ZeroOneAdam (the knobs below) synchronises after steps 6 and 8: step 7 is a local step
 
 
 def _full_params(module: torch.nn.Module) -> torch.Tensor:
@@ -38,7 +39,7 @@ def _unwrapped(optimizer: Any) -> Any:
 
 
 def _fit(out: Path, strategy: Any, *, ckpt_in: str | None = None, checkpoint_dir: str | None = None,
-         sharded_model: bool = False) -> dict[str, Any]:
+         sharded_model: bool = False, epoch: int = EPOCH) -> dict[str, Any]:
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.loggers import CSVLogger
@@ -65,13 +66,14 @@ def _fit(out: Path, strategy: Any, *, ckpt_in: str | None = None, checkpoint_dir
             self.states["start"] = _local_state(_unwrapped(trainer.strategy.optimizers[0]))
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            if trainer.global_step == EPOCH:
+            if trainer.global_step == epoch:
                 self.states["epoch"] = _local_state(_unwrapped(trainer.strategy.optimizers[0]))
             strategy = trainer.strategy
             opt = getattr(strategy, "onebit_optimizer", None)
             self.rows.append({"loss": float(outputs["loss"]), "step": trainer.global_step,
                               "compressing": opt is not None and not opt.needs_averaged_grads,
                               "clip_norm": getattr(strategy, "last_clip_norm", None),
+                              "synchronized": getattr(opt, "params_synchronized", True),
                               **getattr(strategy, "comm_last_step", {})})
 
     pl.seed_everything(7, workers=True)
@@ -80,9 +82,9 @@ def _fit(out: Path, strategy: Any, *, ckpt_in: str | None = None, checkpoint_dir
     recorder = Recorder()
     callbacks: list[Any] = [recorder]
     if checkpoint_dir:
-        callbacks.append(ModelCheckpoint(dirpath=checkpoint_dir, save_top_k=-1, every_n_train_steps=EPOCH))
+        callbacks.append(ModelCheckpoint(dirpath=checkpoint_dir, save_top_k=-1, every_n_train_steps=epoch))
     trainer = pl.Trainer(
-        accelerator="cpu", devices=2, num_nodes=2, strategy=strategy, max_steps=STEPS, limit_train_batches=EPOCH,
+        accelerator="cpu", devices=2, num_nodes=2, strategy=strategy, max_steps=2 * epoch, limit_train_batches=epoch,
         limit_val_batches=0, num_sanity_val_steps=0, logger=CSVLogger(str(out), name="", version=""),
         log_every_n_steps=1, callbacks=callbacks, enable_checkpointing=bool(checkpoint_dir),
         enable_progress_bar=False, enable_model_summary=False, gradient_clip_val=1.0,
@@ -111,10 +113,18 @@ def suite(rank: int, world: int, tmp: str) -> dict[str, Any]:
     def ours() -> Any:
         return OnebitFSDPStrategy(freeze_step=FREEZE, timeout=60)
 
+    def zero_one() -> Any:  # local steps between synchronisations: the checkpoint keeps each rank's params
+        return OnebitFSDPStrategy(optimizer="zero_one_adam", var_freeze_step=FREEZE, var_update_scaler=1,
+                                  local_step_scaler=2, local_step_clipper=4, timeout=60)
+
     out: dict[str, Any] = {}
     out["full"] = _fit(tmp / "full", ours(), checkpoint_dir=str(tmp / "ckpts"))
     ckpt = str(tmp / "ckpts" / f"epoch=0-step={EPOCH}.ckpt")
     out["resumed"] = _fit(tmp / "resumed", ours(), ckpt_in=ckpt)
+    out["zero_one"] = _fit(tmp / "zero_one", zero_one(), checkpoint_dir=str(tmp / "zero_one_ckpts"),
+                           epoch=ZERO_ONE_EPOCH)
+    out["zero_one_resumed"] = _fit(tmp / "zero_one_resumed", zero_one(), epoch=ZERO_ONE_EPOCH,
+                                   ckpt_in=str(tmp / "zero_one_ckpts" / f"epoch=0-step={ZERO_ONE_EPOCH}.ckpt"))
     plain = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=2, timeout=timedelta(seconds=60))
     out["plain"] = _fit(tmp / "plain", plain, checkpoint_dir=str(tmp / "plain_ckpts"), sharded_model=True)
     plain_ckpt = str(tmp / "plain_ckpts" / f"epoch=0-step={EPOCH}.ckpt")  # past FREEZE: compresses at once

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.distributed import run_workers
-from tests.lightning.fsdp_workers import EPOCH, FREEZE, STEPS, suite
+from tests.lightning.fsdp_workers import EPOCH, FREEZE, STEPS, ZERO_ONE_EPOCH, suite
 
 WORLD = 4
 
@@ -69,6 +69,16 @@ def test_resume_from_a_plain_hsdp_checkpoint_takes_torchs_moments(ranks):
         assert rows[0]["step"] == EPOCH + 1 and not rows[0]["ddp_allreduce"]  # past freeze_step: 1-bit at once
         assert rows[-1]["loss"] < rows[0]["loss"]
         assert ranks[r]["from_plain"]["global_step"] == STEPS
+
+
+def test_zero_one_adam_resumes_bitwise_between_synchronisations(ranks):
+    rows = ranks[0]["zero_one"]["rows"]
+    assert ranks[0]["zero_one"]["optimizer"] == "ZeroOneAdam"
+    assert not rows[ZERO_ONE_EPOCH - 1]["synchronized"]  # the checkpoint after that step holds per-rank params
+    for r in range(WORLD):
+        full, resumed = ranks[r]["zero_one"], ranks[r]["zero_one_resumed"]
+        assert [row["loss"] for row in resumed["rows"]] == [row["loss"] for row in full["rows"][ZERO_ONE_EPOCH:]], r
+        assert torch.equal(resumed["params"], full["params"]), r
 
 
 @pytest.mark.parametrize("kwargs, words", [
