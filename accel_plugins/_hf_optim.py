@@ -41,7 +41,13 @@ def _value(key: str, text: str) -> Any:
     try:
         return ast.literal_eval(text.strip())
     except (ValueError, SyntaxError):
+        if text.strip().isidentifier():  # a word such as freeze_step=auto, if the argument's rule takes it
+            return _Word(text.strip())
         raise ValueError(f"optim_args: {key}={text!r} is not a number, bool, None or tuple") from None
+
+
+class _Word(str):
+    """A bare word of ``optim_args``: taken only where the argument's annotation names it (``"auto"``)."""
 
 
 def parse_optim_args(text: str | None) -> dict[str, Any]:
@@ -74,7 +80,11 @@ def _check_optim_args(cls: type, extra: dict[str, Any]) -> None:
     if unknown:
         raise ValueError(f"optim_args: {cls.__name__} takes no {', '.join(unknown)}; its arguments: "
                          f"{', '.join(sorted(set(rules) - set(_SUPPLIED)))}")
-    for key, value in extra.items():
+    for key, value in list(extra.items()):
+        if isinstance(value, _Word):
+            value = extra[key] = str(value)  # a plain str from here on (Literal rules compare types)
+            if not rules[key].test(value):
+                raise ValueError(f"optim_args: {key}={value!r} is not a number, bool, None or tuple")
         if not rules[key].test(value):
             raise ValueError(f"optim_args: {key}={value!r} must be {rules[key].says}")
 

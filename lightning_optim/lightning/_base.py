@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 import warnings
 from datetime import timedelta
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import torch
 import torch.distributed as dist
@@ -172,9 +172,10 @@ class _OnebitStrategyMixin(_AgreedClipMixin, _PerRankCheckpointMixin, _ByteCount
         total = trainer.estimated_stepping_batches
         if opt is None or self.global_rank != 0 or not math.isfinite(total):
             return
-        freeze = opt._variance_freeze_step()
+        auto = getattr(opt, "_auto", None)  # freeze_step="auto": the earliest step it may choose
+        freeze = min(opt.global_step, auto[2]) + auto[0] if auto else opt._variance_freeze_step()
         last_step = opt.global_step + max(0, int(total) - trainer.global_step)
-        if last_step <= freeze:
+        if last_step <= freeze and not (auto and opt.in_compression_stage):
             warnings.warn(
                 f"{type(self).__name__}: {self._freeze_arg}={freeze}, but this fit ends at optimizer step {last_step}: "
                 "compression will not engage (every step is a full-precision DDP step). Pass "
@@ -203,7 +204,8 @@ class _OnebitAdamMixin(_OnebitStrategyMixin):
     optimizer's 1-bit momentum allreduce.
 
     Args:
-        freeze_step: warmup steps (``OnebitAdam``'s default, 100000, when None).
+        freeze_step: warmup steps (``OnebitAdam``'s default, 100000, when None), or ``"auto"``: warmup ends when
+            the variance has settled (``lightning_optim.onebit.auto_freeze``; the chosen step is logged).
         auto_mask: ``OnebitAdam``'s (True when None; False: off; or the ratio, see docs/onebit.md).
         overlap: exchange the momenta of each unit of params while backward still runs (the comm hook of
             ``lightning_optim.onebit.overlap``) instead of in ``optimizer.step()``; not with
@@ -219,7 +221,8 @@ class _OnebitAdamMixin(_OnebitStrategyMixin):
 
     optimizer_class = OnebitAdam
 
-    def __init__(self, freeze_step: int | None = None, auto_mask: bool | float | None = None, overlap: bool = False,
+    def __init__(self, freeze_step: int | Literal["auto"] | None = None, auto_mask: bool | float | None = None,
+                 overlap: bool = False,
                  overlap_unit_mb: float | None = None, **kwargs: Any) -> None:
         if not isinstance(overlap, bool):
             raise TypeError(f"{type(self).__name__}: overlap must be True or False, got {overlap!r}")
@@ -309,7 +312,7 @@ class _OnebitLambMixin(_OnebitStrategyMixin):
 
     def __init__(
         self,
-        freeze_step: int | None = None,
+        freeze_step: int | Literal["auto"] | None = None,
         coeff_beta: float | None = None,
         factor_max: float | None = None,
         factor_min: float | None = None,

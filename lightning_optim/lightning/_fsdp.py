@@ -73,7 +73,7 @@ class _OnebitFSDPMixin(_AgreedClipMixin, _ByteCountingMixin, _CommFailureMixin):
     fp32_baseline = "HSDP's fp32 all-reduce"
 
     def __init__(self, replicate_size: int | Literal["auto"] = "auto", optimizer: str = "onebit_adam",
-                 freeze_step: int | None = None, auto_mask: bool | float | None = None,
+                 freeze_step: int | Literal["auto"] | None = None, auto_mask: bool | float | None = None,
                  var_freeze_step: int | None = None, var_update_scaler: int | None = None,
                  local_step_scaler: int | None = None, local_step_clipper: int | None = None, *,
                  timeout: float | timedelta = DEFAULT_TIMEOUT_S, telemetry: bool = True,

@@ -3,10 +3,11 @@ Convergence Speed", arXiv 2102.02888), after DeepSpeed's ``onebit/adam.py``."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
+from lightning_optim.onebit.auto_freeze import AutoFreezeMixin
 from lightning_optim.onebit.base import OnebitOptimizer
-from lightning_optim.onebit.layout import VARIANCE_FIRST, Layout, check_step_count
+from lightning_optim.onebit.layout import Layout
 from lightning_optim.onebit.units import CompressionUnitsMixin
 from lightning_optim.optim.adam import adam_first_moment_
 from lightning_optim.optim.base import ParamsT
@@ -18,7 +19,7 @@ if TYPE_CHECKING:
 __all__ = ["OnebitAdam"]
 
 
-class OnebitAdam(CompressionUnitsMixin, OnebitOptimizer):
+class OnebitAdam(CompressionUnitsMixin, AutoFreezeMixin, OnebitOptimizer):
     r"""1-bit Adam: Adam until ``freeze_step``, then a frozen variance and a 1-bit momentum.
 
     Step :math:`t` (1-based) with this rank's gradient :math:`g_r`, :math:`W` ranks:
@@ -67,7 +68,11 @@ class OnebitAdam(CompressionUnitsMixin, OnebitOptimizer):
     Args:
         lr: learning rate, >= 0.
         freeze_step: number of warmup (full-precision Adam) steps, >= 1 (the compression stage
-            divides by the variance they estimate).
+            divides by the variance they estimate), or ``"auto"``: warmup ends when the variance's norm has
+            settled (:mod:`lightning_optim.onebit.auto_freeze`: it moved less than ``auto_freeze_tolerance``
+            over the last ``auto_freeze_window`` steps), at step ``auto_freeze_max`` at the latest.
+        auto_freeze_window, auto_freeze_tolerance, auto_freeze_max: that rule's W (20), tau (0.1) and cap
+            (100000); only with ``freeze_step="auto"``.
         bias_correction: bias-correct the moments (see above).
         betas: moment coefficients, each in [0, 1).
         eps: denominator term, > 0.
@@ -107,7 +112,7 @@ class OnebitAdam(CompressionUnitsMixin, OnebitOptimizer):
         self,
         params: ParamsT,
         lr: float = 1e-3,
-        freeze_step: int = 100000,
+        freeze_step: int | Literal["auto"] = 100000,
         bias_correction: bool = True,
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
@@ -124,10 +129,13 @@ class OnebitAdam(CompressionUnitsMixin, OnebitOptimizer):
         auto_mask: bool | float = True,
         gradient_release: bool = False,
         hierarchical: bool | int = False,
+        auto_freeze_window: int | None = None,
+        auto_freeze_tolerance: float | None = None,
+        auto_freeze_max: int | None = None,
     ) -> None:
         if check_flag("amsgrad", amsgrad):
             raise ValueError("amsgrad: 1-bit Adam does not support the AMSGrad variant; leave amsgrad=False")
-        self.freeze_step = check_step_count("freeze_step", freeze_step, 1, why=VARIANCE_FIRST)
+        self._init_freeze_step(freeze_step, auto_freeze_window, auto_freeze_tolerance, auto_freeze_max)
         defaults = dict(
             lr=lr,
             bias_correction=bias_correction,
@@ -152,16 +160,17 @@ class OnebitAdam(CompressionUnitsMixin, OnebitOptimizer):
         self._init_units()
 
     def _initial_schedule(self) -> dict[str, Any]:
-        return {"step": 0, "variance_steps": 0}
+        return {**super()._initial_schedule(), "variance_steps": 0}
 
     def _variance_freeze_step(self) -> int:
         return self.freeze_step
 
     def _schedule_after_plain_steps(self, step: int) -> dict[str, Any]:
-        return {"step": step, "variance_steps": step}
+        return {**super()._schedule_after_plain_steps(step), "variance_steps": step}
 
     def _schedule_keys_added_since(self, schedule: dict[str, Any]) -> dict[str, Any]:
-        return {"variance_steps": min(schedule["step"], self.freeze_step)}
+        return {**super()._schedule_keys_added_since(schedule),
+                "variance_steps": min(schedule["step"], self.freeze_step)}
 
     def _variance_version(self) -> int:
         return self._sched["variance_steps"]
@@ -217,3 +226,5 @@ class OnebitAdam(CompressionUnitsMixin, OnebitOptimizer):
                 self._adam_step(group, batch, beta1=beta1, beta2=beta2, bc1=bc1, bc2=bc2)
             else:
                 self._adam_step(group, batch, beta1=0.0, beta2=1.0, bc1=bc1, bc2=bc2, momentum_is_state=True)
+        if warmup:
+            self._decide_freeze(t)  # freeze_step="auto": this may be the last warmup step

@@ -86,8 +86,8 @@ class OnebitFSDP:
         replicas = dist.get_world_size(replicate_group)
         self.comms = [ShardGradients(names[id(m)], flat_order(m), replicas) for m in self.modules]
         self.all_reduce_skipped = False  # a backward ran without the all-reduce since the last forward
-        self._saved = {key: getattr(optimizer, key) for key in ("process_group", "average_grads",
-                                                                  "ddp_allreduce_managed")}
+        self._saved = {key: getattr(optimizer, key, None) for key in ("process_group", "average_grads",
+                                                                        "ddp_allreduce_managed", "freeze_vote_group")}
         self._hooks: list[Any] = []
 
     # ------------------------------------------------------------------ install / remove
@@ -101,6 +101,8 @@ class OnebitFSDP:
         opt.process_group = self.replicate_group  # the momenta are exchanged among the holders of one shard
         opt.average_grads = False  # HSDP's own all-reduce averages the warmup's gradients
         opt.ddp_allreduce_managed = True
+        # freeze_step="auto" sums the variance's squares over every shard: the whole world votes
+        opt.freeze_vote_group = dist.group.WORLD
         if forward_hook:  # else the caller calls prepare_backward() (Lightning: the strategy, per training step)
             self._hooks.append(self.model.register_forward_pre_hook(lambda *_: self.prepare_backward(), prepend=True))
         self._hooks.append(opt.register_step_pre_hook(self._before_step))

@@ -4,13 +4,14 @@ with LAMB's Convergence Speed", arXiv 2104.06069), after DeepSpeed's ``onebit/la
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import Tensor
 
+from lightning_optim.onebit.auto_freeze import AutoFreezeMixin
 from lightning_optim.onebit.base import OnebitOptimizer
-from lightning_optim.onebit.layout import VARIANCE_FIRST, Layout, check_step_count
+from lightning_optim.onebit.layout import Layout
 from lightning_optim.optim.adam import adam_second_moment_
 from lightning_optim.optim.base import Batch, ParamsT
 from lightning_optim.optim.lamb import lamb_denominator, lamb_direction, lamb_first_moment_, trust_ratios
@@ -27,7 +28,7 @@ if TYPE_CHECKING:
 __all__ = ["OnebitLamb"]
 
 
-class OnebitLamb(OnebitOptimizer):
+class OnebitLamb(AutoFreezeMixin, OnebitOptimizer):
     r"""1-bit LAMB: LAMB until ``freeze_step`` while recording the trust ratios, then a 1-bit
     momentum with the frozen ratio rescaled by a variance-based factor.
 
@@ -74,9 +75,10 @@ class OnebitLamb(OnebitOptimizer):
 
     Args:
         lr, freeze_step, bias_correction, betas, eps, eps_inside_sqrt, max_grad_norm, amsgrad,
-            cuda_aware, comm_backend_name, process_group, average_grads, kahan_sum, auto_mask, hierarchical:
-            as :class:`~lightning_optim.onebit.OnebitAdam` (a plain ``Lamb``/``FusedLamb`` state dict
-            loads only before ``freeze_step``: the frozen trust ratios are recorded in warmup).
+            cuda_aware, comm_backend_name, process_group, average_grads, kahan_sum, auto_mask, hierarchical,
+            auto_freeze_window, auto_freeze_tolerance, auto_freeze_max: as :class:`~lightning_optim.onebit.OnebitAdam`
+            (``freeze_step="auto"`` too; a plain ``Lamb``/``FusedLamb`` state dict loads only before
+            ``freeze_step``: the frozen trust ratios are recorded in warmup).
         weight_decay: decay :math:`\lambda` >= 0 inside the LAMB update.
         max_coeff: upper clamp of the warmup trust ratio, in (0, inf].
         min_coeff: lower clamp of the warmup trust ratio, in [0, max_coeff].
@@ -95,7 +97,7 @@ class OnebitLamb(OnebitOptimizer):
         self,
         params: ParamsT,
         lr: float = 1e-3,
-        freeze_step: int = 100000,
+        freeze_step: int | Literal["auto"] = 100000,
         bias_correction: bool = True,
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
@@ -118,10 +120,13 @@ class OnebitLamb(OnebitOptimizer):
         auto_mask: bool | float = True,
         gradient_release: bool = False,
         hierarchical: bool | int = False,
+        auto_freeze_window: int | None = None,
+        auto_freeze_tolerance: float | None = None,
+        auto_freeze_max: int | None = None,
     ) -> None:
         if check_flag("amsgrad", amsgrad):
             raise ValueError("amsgrad: 1-bit LAMB does not support the AMSGrad variant; leave amsgrad=False")
-        self.freeze_step = check_step_count("freeze_step", freeze_step, 1, why=VARIANCE_FIRST)
+        self._init_freeze_step(freeze_step, auto_freeze_window, auto_freeze_tolerance, auto_freeze_max)
         self.coeff_beta = check_unit_interval("coeff_beta", coeff_beta)
         self.factor_min = check_non_negative("factor_min", factor_min)
         self.factor_max = check_positive("factor_max", factor_max)
@@ -225,6 +230,7 @@ class OnebitLamb(OnebitOptimizer):
             ema = torch.where(measured, self.coeff_beta * ema + (1 - self.coeff_beta) * ratio, ema)
             torch._foreach_copy_(batch.state("lamb_coeff_freeze"), ema.unbind())
             self._scale_and_apply(batch, group, update, ratio)
+        self._decide_freeze(t)  # freeze_step="auto": this may be the last warmup step
         if t == self.freeze_step:
             self._flat("exp_avg_sq_fresh").copy_(self._flat("exp_avg_sq"))
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 
 import pytest
+import torch
 
 transformers = pytest.importorskip("transformers")
 
@@ -31,9 +32,10 @@ MALFORMED = [
     ("1x=3", "optim_args: '1x=3' has no valid key ('1x') before '='"),
     ("a.b=3", "optim_args: 'a.b=3' has no valid key ('a.b') before '='"),
     ("lr=", "optim_args: lr='' is not a number"),
-    ("lr=abc", "optim_args: lr='abc' is not a number"),
     ("lr=(1e-3", "optim_args: lr='(1e-3' is not a number"),
 ]
+# a bare word parses (freeze_step=auto), and is refused where the argument's annotation does not name it
+WORDS = [("lr=abc", "optim_args: lr='abc' is not a number")]
 
 
 def _build(route: str, name: str, optim_args: str) -> None:
@@ -60,6 +62,15 @@ def test_what_the_parser_still_takes():
     assert parse_optim_args("lr=1e-3,") == {"lr": 1e-3}  # a trailing comma
     assert parse_optim_args(" betas = (0.9, 0.99) , kahan_sum = false ") == {"betas": (0.9, 0.99), "kahan_sum": False}
     assert parse_optim_args(None) == parse_optim_args("") == {}
+    assert parse_optim_args("freeze_step=auto") == {"freeze_step": "auto"}
+
+
+def test_a_word_is_taken_where_the_annotation_names_it():
+    args = TrainingArguments("/tmp/unused", optim="onebit_adam", optim_args="freeze_step=auto,auto_freeze_window=5",
+                             report_to=[], use_cpu=True)
+    cls, kwargs = hf.optimizer_cls_and_kwargs(args)
+    assert kwargs["freeze_step"] == "auto" and type(kwargs["freeze_step"]) is str and kwargs["auto_freeze_window"] == 5
+    assert cls([torch.zeros(2, requires_grad=True)], **kwargs).auto_freeze
 
 
 def _wrong_type(rule_test) -> str:
@@ -71,7 +82,7 @@ def _probes(name: str) -> list[tuple[str, str]]:
     """(optim_args, what the message must say) for one optimizer: malformed, unknown, wrong type, bad range."""
     cls = OPTIMIZERS[name].cls
     rules = {k: r for k, r in parameter_rules(cls).items() if k not in ("params", "model_params")}
-    probes = [(text, says) for text, says in MALFORMED]
+    probes = [(text, says) for text, says in MALFORMED + WORDS]
     probes += [("not_an_argument=1", f"optim_args: {cls.__name__} takes no not_an_argument; its arguments: "),
                ("params=1", f"optim_args: {cls.__name__} takes no params"),
                ("lr=-1", "optim_args: lr=-1: ")]  # the constructor's range, led by the key

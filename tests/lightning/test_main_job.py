@@ -10,7 +10,9 @@ import sys
 from pathlib import Path
 
 import hydra
+from omegaconf import OmegaConf
 
+from lightning_optim.config_check import check_config
 from lightning_optim.lightning import OnebitAdamStrategy, OnebitLambStrategy, ZeroOneAdamStrategy
 from lightning_optim.model import ByteGPT, param_groups
 from lightning_optim.onebit import OnebitAdam
@@ -30,6 +32,10 @@ def test_default_is_onebit_adam_on_two_processes(compose_train):
 def test_overrides_of_the_onebit_knobs(compose_train):
     strategy = lightning_arg(dict(compose_train("strategy.freeze_step=50").strategy))
     assert strategy._knobs == {"freeze_step": 50, "auto_mask": True}  # auto_mask: the shipped config's
+    auto = compose_train("strategy.freeze_step=auto", "strategy=onebit_lamb", "optimizer=fused_lamb")
+    check_config(OmegaConf.to_container(auto, resolve=True))  # "auto" is a valid freeze_step
+    assert lightning_arg(dict(auto.strategy))._knobs["freeze_step"] == "auto"
+    assert lightning_arg(dict(compose_train("strategy.freeze_step=auto").strategy))._knobs["freeze_step"] == "auto"
     off = lightning_arg(dict(compose_train("strategy.auto_mask=false").strategy))
     assert off._knobs["auto_mask"] is False
     cfg = compose_train("optimizer=onebit_adam", "optimizer.freeze_step=50")  # already 1-bit: used as is

@@ -26,7 +26,11 @@ FREEZE_ARG = {OnebitAdam: "freeze_step", ZeroOneAdam: "var_freeze_step", OnebitL
 BAD = {
     "lr": [(-1.0, ValueError, "lr"), (float("nan"), ValueError, "lr"), ("x", TypeError, "lr")],
     "freeze_step": [(0, ValueError, "freeze_step must be an integer >= 1"), (-1, ValueError, "freeze_step"),
-                    (2.5, TypeError, "freeze_step")],
+                    (2.5, TypeError, "freeze_step"), ("Auto", ValueError, "freeze_step must be an integer >= 1 or 'auto'")],
+    # with the default (fixed) freeze_step; their ranges under freeze_step="auto": test_auto_freeze_ranges
+    "auto_freeze_window": [(5, ValueError, "auto_freeze_window: only with freeze_step='auto'")],
+    "auto_freeze_tolerance": [(0.1, ValueError, "auto_freeze_tolerance: only with freeze_step='auto'")],
+    "auto_freeze_max": [(50, ValueError, "auto_freeze_max: only with freeze_step='auto'")],
     "var_freeze_step": [(0, ValueError, "var_freeze_step must be an integer >= 1"), (1.0, TypeError, "var_freeze_step")],
     "var_update_scaler": [(0, ValueError, "var_update_scaler must be an integer >= 1")],
     "local_step_scaler": [(0, ValueError, "local_step_scaler must be an integer >= 1")],
@@ -69,6 +73,28 @@ def test_every_constructor_argument_refuses_bad_values_by_name(cls):
         for value, error, words in BAD[name]:
             with pytest.raises(error) as info:
                 cls([torch.zeros(3, requires_grad=True)], **{name: value})
+            assert words in str(info.value), (name, value, str(info.value))
+
+
+AUTO_BAD = {
+    "auto_freeze_window": [(0, ValueError, "auto_freeze_window must be an integer >= 1"),
+                           (2.0, TypeError, "auto_freeze_window")],
+    "auto_freeze_tolerance": [(0.0, ValueError, "auto_freeze_tolerance must be a number in (0, 1)"),
+                              (1.0, ValueError, "auto_freeze_tolerance"), ("x", ValueError, "auto_freeze_tolerance"),
+                              (True, ValueError, "auto_freeze_tolerance")],
+    "auto_freeze_max": [(0, ValueError, "auto_freeze_max must be an integer >= 1"), (None, None, None)],
+}
+
+
+@pytest.mark.parametrize("cls", [OnebitAdam, OnebitLamb], ids=lambda c: c.__name__)
+def test_auto_freeze_ranges(cls):
+    for name, probes in AUTO_BAD.items():
+        for value, error, words in probes:
+            if error is None:  # None: the default
+                assert cls([torch.zeros(3, requires_grad=True)], freeze_step="auto", **{name: value}).auto_freeze
+                continue
+            with pytest.raises(error) as info:
+                cls([torch.zeros(3, requires_grad=True)], freeze_step="auto", **{name: value})
             assert words in str(info.value), (name, value, str(info.value))
 
 

@@ -1,0 +1,124 @@
+r"""``freeze_step="auto"``: OnebitAdam / OnebitLamb end their warmup when the variance has settled.
+
+The compression stage divides by the variance frozen at the end of warmup, so it must have stopped
+moving (1-bit Adam, Tang et al. 2021, sec. 4: the variance "becomes stable" after a share of the run
+that users had to guess). After every warmup step :math:`t` the optimizer measures the norm of the
+bias-corrected variance of the whole model,
+
+.. math::
+    n_t = \frac{\lVert v_t \rVert_2}{1 - \beta_2^{t}}
+    \qquad(\lVert v_t\rVert_2^2 \text{ summed over all ranks in one 8-byte all-reduce}),
+
+and ends the warmup at the first :math:`t \ge W` with
+
+.. math::
+    \frac{|n_t - n_{t-W}|}{n_{t-W}} < \tau ,
+
+i.e. when the variance's norm moved less than :math:`\tau` over the last :math:`W` steps
+(``auto_freeze_window`` :math:`W` = 20, ``auto_freeze_tolerance`` :math:`\tau` = 0.1), or at step
+``auto_freeze_max`` (the cap, default 100000: DeepSpeed's ``freeze_step``) whichever comes first.
+Every rank computes the rule on the same all-reduced number, so all ranks switch at the same step
+(also under FSDP, where each rank holds a shard of :math:`v`: the sum runs over the whole world).
+:math:`\beta_2` is the first param group's. The chosen step is ``optimizer.freeze_step`` from then on,
+logged once (logger ``lightning_optim``), and kept in checkpoints with the last :math:`W+1` norms, so a
+resumed run decides exactly as the uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import numbers
+from typing import Any
+
+import torch.distributed as dist
+
+from lightning_optim.comm.dense import world_size
+from lightning_optim.comm.stats import comm_stats, ring_allreduce_bytes
+from lightning_optim.comm.timeouts import collective
+from lightning_optim.onebit.layout import VARIANCE_FIRST, check_step_count
+
+__all__ = ["AutoFreezeMixin", "DEFAULT_WINDOW", "DEFAULT_TOLERANCE", "DEFAULT_MAX", "schedule_defaults"]
+
+DEFAULT_WINDOW, DEFAULT_TOLERANCE, DEFAULT_MAX = 20, 0.1, 100000
+_log = logging.getLogger("lightning_optim")
+
+
+def schedule_defaults() -> dict[str, Any]:
+    """The schedule keys of the rule (also for checkpoints written before they existed)."""
+    return {"freeze_at": None, "variance_norms": []}
+
+
+class AutoFreezeMixin:
+    """``freeze_step`` as an int or ``"auto"`` (see the module doc) for a 1-bit optimizer whose schedule
+    (``self._sched``) gets the keys ``freeze_at`` and ``variance_norms``."""
+
+    _auto: tuple[int, float, int] | None = None  # (window, tolerance, cap) with freeze_step="auto"
+    _fixed_freeze_step: int = DEFAULT_MAX
+    freeze_vote_group: Any = None  # where the variance norm is summed (None: process_group); onebit_fsdp: the world
+
+    def _init_freeze_step(self, freeze_step: object, window: int | None, tolerance: float | None,
+                          cap: int | None) -> None:
+        given = {k: v for k, v in (("auto_freeze_window", window), ("auto_freeze_tolerance", tolerance),
+                                   ("auto_freeze_max", cap)) if v is not None}
+        if freeze_step == "auto":
+            window = check_step_count("auto_freeze_window", DEFAULT_WINDOW if window is None else window, 1)
+            cap = check_step_count("auto_freeze_max", DEFAULT_MAX if cap is None else cap, 1)
+            tolerance = DEFAULT_TOLERANCE if tolerance is None else tolerance
+            if isinstance(tolerance, bool) or not isinstance(tolerance, numbers.Real) or not 0 < tolerance < 1:
+                raise ValueError(f"auto_freeze_tolerance must be a number in (0, 1), got {tolerance!r}")
+            self._auto = (window, float(tolerance), cap)
+            return
+        if isinstance(freeze_step, str):
+            raise ValueError(f"freeze_step must be an integer >= 1 or 'auto', got {freeze_step!r}")
+        if given:
+            raise ValueError(f"{', '.join(given)}: only with freeze_step='auto' (freeze_step={freeze_step!r} is fixed)")
+        self._fixed_freeze_step = check_step_count("freeze_step", freeze_step, 1, why=VARIANCE_FIRST)
+
+    def _initial_schedule(self) -> dict[str, Any]:
+        return {**super()._initial_schedule(), **schedule_defaults()}
+
+    def _schedule_keys_added_since(self, schedule: dict[str, Any]) -> dict[str, Any]:
+        missing = {k: v for k, v in schedule_defaults().items() if k not in schedule}
+        return {**super()._schedule_keys_added_since(schedule), **missing}
+
+    @property
+    def auto_freeze(self) -> bool:
+        """Whether ``freeze_step="auto"`` chooses the end of warmup."""
+        return self._auto is not None
+
+    @property
+    def freeze_step(self) -> int:
+        """The last warmup step: the fixed one, or with ``"auto"`` the chosen one (the cap until chosen)."""
+        if self._auto is None:
+            return self._fixed_freeze_step
+        chosen = getattr(self, "_sched", {}).get("freeze_at")
+        return self._auto[2] if chosen is None else chosen
+
+    def _decide_freeze(self, t: int) -> None:
+        """After warmup step ``t`` (the variance updated): end the warmup here when the rule holds."""
+        if self._auto is None or self._sched["freeze_at"] is not None:
+            return
+        window, tolerance, cap = self._auto
+        norms = self._sched["variance_norms"]
+        norms.append(self._variance_norm(t))
+        del norms[: max(0, len(norms) - (window + 1))]
+        change = abs(norms[-1] - norms[0]) / norms[0] if len(norms) == window + 1 and norms[0] > 0 else math.inf
+        if change < tolerance or t >= cap:
+            self._sched["freeze_at"] = t
+            why = (f"the variance's norm moved {change:.1%} over the last {window} steps (< {tolerance:.0%})"
+                   if change < tolerance else f"auto_freeze_max={cap} reached")
+            _log.info("%s: freeze_step='auto' ends the warmup at step %d: %s", type(self).__name__, t, why)
+
+    def _variance_norm(self, t: int) -> float:
+        """:math:`n_t` of the module doc, the same on every rank."""
+        squares = self._flat("exp_avg_sq").double().square().sum().reshape(1)
+        group = self.freeze_vote_group if self.freeze_vote_group is not None else self.process_group
+        ranks = world_size(group)
+        if ranks > 1:
+            collective("all_reduce (variance norm)", dist.all_reduce, squares, group=group)
+            comm_stats().add_control(ring_allreduce_bytes(1, ranks, 8))
+        beta2 = self.param_groups[0]["betas"][1]
+        bias = 1 - beta2**t if self.param_groups[0].get("bias_correction", True) else 1.0
+        return float(squares.sqrt().item()) / bias if bias else float(squares.sqrt().item())
+
