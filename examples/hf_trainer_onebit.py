@@ -46,6 +46,9 @@ if trainer.is_world_process_zero():
     if trainer._onebit_handle is not None:
         s = trainer._onebit_handle.summary()
         line += f"; sent {s['bytes_sent'] / 1e6:.1f} MB vs {s['fp32_equivalent_bytes'] / 1e6:.1f} MB for fp32 DDP"
+        optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+        if getattr(optimizer, "auto_freeze", False):
+            line += f"; freeze_step='auto' chose step {optimizer.freeze_step}"
     print(line, flush=True)
 if trainer._onebit_handle is not None:  # free DDP and the optimizer while the group exists (OnebitHandle.close)
     trainer._onebit_handle.close()

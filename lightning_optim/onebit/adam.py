@@ -69,9 +69,10 @@ class OnebitAdam(CompressionUnitsMixin, AutoFreezeMixin, OnebitOptimizer):
         lr: learning rate, >= 0.
         freeze_step: number of warmup (full-precision Adam) steps, >= 1 (the compression stage
             divides by the variance they estimate), or ``"auto"``: warmup ends when the variance's norm has
-            settled (:mod:`lightning_optim.onebit.auto_freeze`: it moved less than ``auto_freeze_tolerance``
-            over the last ``auto_freeze_window`` steps), at step ``auto_freeze_max`` at the latest.
-        auto_freeze_window, auto_freeze_tolerance, auto_freeze_max: that rule's W (20), tau (0.1) and cap
+            settled (:mod:`lightning_optim.onebit.auto_freeze`: its norm stayed within a band of
+            ``auto_freeze_tolerance`` through the last ``auto_freeze_window`` steps), at step ``auto_freeze_max``
+            at the latest.
+        auto_freeze_window, auto_freeze_tolerance, auto_freeze_max: that rule's W (20), tau (0.15) and cap
             (100000); only with ``freeze_step="auto"``.
         bias_correction: bias-correct the moments (see above).
         betas: moment coefficients, each in [0, 1).

@@ -9,13 +9,15 @@ bias-corrected variance of the whole model,
     n_t = \frac{\lVert v_t \rVert_2}{1 - \beta_2^{t}}
     \qquad(\lVert v_t\rVert_2^2 \text{ summed over all ranks in one 8-byte all-reduce}),
 
-and ends the warmup at the first :math:`t \ge W` with
+and ends the warmup at the first :math:`t > W` with
 
 .. math::
-    \frac{|n_t - n_{t-W}|}{n_{t-W}} < \tau ,
+    \frac{\max_{t-W \le s \le t} n_s - \min_{t-W \le s \le t} n_s}{\min_{t-W \le s \le t} n_s} < \tau ,
 
-i.e. when the variance's norm moved less than :math:`\tau` over the last :math:`W` steps
-(``auto_freeze_window`` :math:`W` = 20, ``auto_freeze_tolerance`` :math:`\tau` = 0.1), or at step
+i.e. when the variance's norm stayed within a band of :math:`\tau` through the last :math:`W` steps
+(``auto_freeze_window`` :math:`W` = 20, ``auto_freeze_tolerance`` :math:`\tau` = 0.15; a band, not the
+change between the window's ends: early in training the norm rises, peaks and falls, and passes its
+old value on the way down), or at step
 ``auto_freeze_max`` (the cap, default 100000: DeepSpeed's ``freeze_step``) whichever comes first.
 Every rank computes the rule on the same all-reduced number, so all ranks switch at the same step
 (also under FSDP, where each rank holds a shard of :math:`v`: the sum runs over the whole world).
@@ -40,7 +42,7 @@ from lightning_optim.onebit.layout import VARIANCE_FIRST, check_step_count
 
 __all__ = ["AutoFreezeMixin", "DEFAULT_WINDOW", "DEFAULT_TOLERANCE", "DEFAULT_MAX", "schedule_defaults"]
 
-DEFAULT_WINDOW, DEFAULT_TOLERANCE, DEFAULT_MAX = 20, 0.1, 100000
+DEFAULT_WINDOW, DEFAULT_TOLERANCE, DEFAULT_MAX = 20, 0.15, 100000
 _log = logging.getLogger("lightning_optim")
 
 
@@ -103,11 +105,12 @@ class AutoFreezeMixin:
         norms = self._sched["variance_norms"]
         norms.append(self._variance_norm(t))
         del norms[: max(0, len(norms) - (window + 1))]
-        change = abs(norms[-1] - norms[0]) / norms[0] if len(norms) == window + 1 and norms[0] > 0 else math.inf
-        if change < tolerance or t >= cap:
+        low = min(norms)
+        band = (max(norms) - low) / low if len(norms) == window + 1 and low > 0 else math.inf
+        if band < tolerance or t >= cap:
             self._sched["freeze_at"] = t
-            why = (f"the variance's norm moved {change:.1%} over the last {window} steps (< {tolerance:.0%})"
-                   if change < tolerance else f"auto_freeze_max={cap} reached")
+            why = (f"the variance's norm stayed within {band:.1%} through the last {window} steps (< {tolerance:.0%})"
+                   if band < tolerance else f"auto_freeze_max={cap} reached")
             _log.info("%s: freeze_step='auto' ends the warmup at step %d: %s", type(self).__name__, t, why)
 
     def _variance_norm(self, t: int) -> float:

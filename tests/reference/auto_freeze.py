@@ -3,7 +3,8 @@ equations: the warmup's variance of the rank-averaged gradients, in float64,
 
     v_t = b2 v_{t-1} + (1 - b2) gbar_t^2,     n_t = ||v_t||_2 / (1 - b2^t)
 
-and the warmup ends at the first t >= W with |n_t - n_{t-W}| / n_{t-W} < tau, or at t = cap."""
+and the warmup ends at the first t > W whose last W + 1 norms n_{t-W} .. n_t lie within a band of tau,
+(max - min) / min < tau, or at t = cap."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ def auto_freeze_step(mean_grads: list[list[torch.Tensor]], beta2: float, window:
     for t, grads in enumerate(mean_grads, start=1):
         v = [beta2 * vj + (1 - beta2) * g.double() ** 2 for vj, g in zip(v, grads)]
         norms.append(torch.sqrt(sum((vj**2).sum() for vj in v)).item() / (1 - beta2**t))
-        if t > window and abs(norms[-1] - norms[-1 - window]) / norms[-1 - window] < tolerance:
+        last = norms[-1 - window:]
+        if t > window and (max(last) - min(last)) / min(last) < tolerance:
             return t
         if t >= cap:
             return t
