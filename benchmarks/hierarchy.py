@@ -40,7 +40,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from datetime import date, timedelta
@@ -48,7 +47,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
-from netns_bridge import NetnsUnavailable, Uplinks, netns_nodes, rank_address  # noqa: E402
+from netns_bridge import NetnsUnavailable, Uplinks, netns_nodes, run_node_ranks  # noqa: E402
 
 NODES, PER_NODE = 2, 2
 WORLD = NODES * PER_NODE
@@ -179,28 +178,10 @@ def rate_bits(rate: str) -> float:
 
 
 def measure(rate: str, args) -> dict:
-    root = str(Path(__file__).resolve().parents[1])
     with netns_nodes(NODES, PER_NODE, rate, args.burst) as (prefixes, envs, uplinks):
-        procs = []
-        for rank in range(WORLD):
-            env = dict(os.environ, **envs[rank], MASTER_ADDR=rank_address(0), MASTER_PORT=str(PORT), RANK=str(rank),
-                       WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank % PER_NODE), LOCAL_WORLD_SIZE=str(PER_NODE),
-                       PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
-            cmd = [*prefixes[rank], sys.executable, os.path.abspath(__file__), "--worker", str(args.numel),
-                   str(args.iters), str(args.warmup), uplinks.hub, ",".join(uplinks.devices)]
-            procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env))
-        try:
-            outputs = [p.communicate(timeout=args.timeout)[0] for p in procs]
-        except subprocess.TimeoutExpired:
-            for p in procs:
-                p.kill()
-            raise SystemExit(f"ranks still running after {args.timeout} s: killed")
-        if any(p.returncode for p in procs):
-            raise SystemExit(f"ranks failed: exit codes {[p.returncode for p in procs]}")
-    for line in outputs[0].splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
-    raise SystemExit("rank 0 printed no result")
+        argv = [os.path.abspath(__file__), "--worker", str(args.numel), str(args.iters), str(args.warmup), uplinks.hub,
+                ",".join(uplinks.devices)]
+        return run_node_ranks(prefixes, envs, PER_NODE, argv, PORT, args.timeout)
 
 
 def model(res: dict, rate: str, args, onebit_s_per_elem: dict[str, float]) -> dict[str, float]:

@@ -153,3 +153,31 @@ def netns_nodes(nodes: int, per_node: int, rate: str = "1gbit",
 
     with _namespaces(nodes * per_node, build) as made:
         yield made
+
+
+def run_node_ranks(prefixes: list[tuple[str, ...]], envs: list[dict[str, str]], per_node: int, argv: list[str],
+                   port: int, timeout: float) -> dict:
+    """Start one ``python argv...`` per rank of ``netns_nodes`` (torchrun's variables: RANK, WORLD_SIZE,
+    LOCAL_RANK, LOCAL_WORLD_SIZE; rank 0's namespace is the rendezvous), wait for all, and return the JSON
+    that rank 0 printed last on a ``RESULT `` line. Exits naming what failed (a timeout kills every rank)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    world = len(prefixes)
+    procs = []
+    for rank in range(world):
+        env = dict(os.environ, **envs[rank], MASTER_ADDR=rank_address(0), MASTER_PORT=str(port), RANK=str(rank),
+                   WORLD_SIZE=str(world), LOCAL_RANK=str(rank % per_node), LOCAL_WORLD_SIZE=str(per_node),
+                   PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+        procs.append(subprocess.Popen([*prefixes[rank], sys.executable, *argv], stdout=subprocess.PIPE, text=True,
+                                      env=env))
+    try:
+        outputs = [p.communicate(timeout=timeout)[0] for p in procs]
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        raise SystemExit(f"ranks still running after {timeout} s: killed") from None
+    if any(p.returncode for p in procs):
+        raise SystemExit(f"ranks failed: exit codes {[p.returncode for p in procs]}")
+    lines = [line for line in outputs[0].splitlines() if line.startswith("RESULT ")]
+    if not lines:
+        raise SystemExit("rank 0 printed no result")
+    return json.loads(lines[-1][len("RESULT "):])

@@ -107,6 +107,7 @@ class AutoFreezeMixin:
         del norms[: max(0, len(norms) - (window + 1))]
         low = min(norms)
         band = (max(norms) - low) / low if len(norms) == window + 1 and low > 0 else math.inf
+        _log.debug("%s: step %d: variance norm %.6g, band over the window %.4g", type(self).__name__, t, norms[-1], band)
         if band < tolerance or t >= cap:
             self._sched["freeze_at"] = t
             why = (f"the variance's norm stayed within {band:.1%} through the last {window} steps (< {tolerance:.0%})"
