@@ -197,6 +197,8 @@ class OnebitAdam(CompressionUnitsMixin, AutoFreezeMixin, OnebitOptimizer):
 
     def _onebit_step(self, layout: Layout, t: int) -> None:
         warmup = t <= self.freeze_step
+        if not warmup:  # the compression stage reads p.grad: the warmup's flat gradient copy is dead weight
+            layout.scratch.pop("grad", None)
         if warmup:
             if self.average_grads:
                 self._average_(self._scratch(layout, "grad")[0])

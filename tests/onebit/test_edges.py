@@ -352,3 +352,14 @@ def test_the_sparse_auto_mask_equals_the_full_multiply(cls, kwargs, monkeypatch)
     assert sparse[2].numel() == 3  # the rule picked param 1's tiny elements
     for a, b in zip(sparse[0] + sparse[1], dense[0] + dense[1]):
         assert torch.equal(a, b)
+
+
+def test_the_compression_stage_frees_the_warmups_gradient_copy():
+    """OnebitAdam's compression stage reads p.grad; the flat fp32 copy the warmup averaged in is released."""
+    model = torch.nn.Linear(64, 64)
+    opt = OnebitAdam(model.parameters(), freeze_step=2)
+    for step in range(1, 5):
+        model(torch.randn(8, 64)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        assert ("grad" in opt._layout.scratch) == (step <= 2), step  # step 3 is the first 1-bit step
