@@ -25,6 +25,8 @@ REPLICAS, SHARDS = 2, 2
 COMMON = dict(lr=0.01, weight_decay=0.1)
 CONFIGS = {  # optimizer, its arguments, steps, checkpoint after this step (mid-compression)
     "adam": (OnebitAdam, dict(freeze_step=3), 9, 6),
+    # freeze_step="auto" under onebit_fsdp: the variance norm is summed over the whole world (every shard)
+    "adam_auto": (OnebitAdam, dict(freeze_step="auto", auto_freeze_window=2, auto_freeze_tolerance=0.2), 11, 6),
     "zoadam": (ZeroOneAdam, dict(var_freeze_step=6, var_update_scaler=2, local_step_scaler=2, local_step_clipper=4),
                14, 10),
 }

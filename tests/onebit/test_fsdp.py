@@ -23,13 +23,14 @@ from tests.onebit.fsdp_workers import (
     refusal_suite,
     train_suite,
 )
+from tests.reference.auto_freeze import auto_freeze_step
 from tests.reference.onebit_adam import RefOnebitAdam
 from tests.reference.sharded_onebit import ShardedReference, shard_rows
 from tests.reference.zero_one_adam import RefZeroOneAdam
 
 WORLD = REPLICAS * SHARDS
 TOL = 1e-5  # fp32 round-off of equivalent formulas; a flipped 1-bit sign moves a param by ~lr
-REFS = {"adam": RefOnebitAdam, "zoadam": RefZeroOneAdam}
+REFS = {"adam": RefOnebitAdam, "adam_auto": RefOnebitAdam, "zoadam": RefZeroOneAdam}
 FSDP_MODULES = 4  # a, b, c and the root (its own param): one HSDP all-reduce each per full-precision backward
 
 
@@ -43,9 +44,18 @@ def run(request, tmp_path_factory):
     return name, run_workers(WORLD, train_suite, name, str(tmp_path_factory.mktemp("ckpt")), timeout=300)
 
 
+def _mean_grads(ranks, steps: int) -> list[list[torch.Tensor]]:
+    return [[sum(g) / WORLD for g in zip(*(ranks[r]["grads"][t] for r in range(WORLD)))] for t in range(steps)]
+
+
 def test_replicas_follow_the_sharded_reference(run):
     name, ranks = run
     _, kwargs, steps, _ = CONFIGS[name]
+    if kwargs.get("freeze_step") == "auto":  # the reference takes the step the rule picks on the whole model
+        chosen = auto_freeze_step(_mean_grads(ranks, steps), 0.999, kwargs["auto_freeze_window"],
+                                  kwargs["auto_freeze_tolerance"], 100000)
+        assert chosen is not None and ranks[0]["needs"].index(False) == chosen  # step chosen + 1 compresses
+        kwargs = {"freeze_step": chosen}
     params = list(initial_params().values())
     ref = ShardedReference(lambda p, w: REFS[name](p, w, **COMMON, **kwargs), params, REPLICAS, SHARDS)
     for t in range(steps):
@@ -89,9 +99,11 @@ def test_bytes_across_replicas_are_about_a_32nd_of_fp32(run):
             # HSDP's own all-reduce (warmup; what torch all-reduced over the replicas, counted by the patched
             # dist.all_reduce), the 1-bit exchange and the step's layout agreement: 5 int64 to the other replica
             full = ring_allreduce_bytes(ranks[r]["replicate_all_reduced"][t], REPLICAS)
-            assert sent == full + calls * per_call + control * 5 * 8, (name, r, t)
+            # freeze_step="auto": in warmup also the variance norm, one float64 summed over the world
+            vote = ring_allreduce_bytes(1, WORLD, 8) if CONFIGS[name][1].get("freeze_step") == "auto" and needs else 0
+            assert sent == full + calls * per_call + (control - bool(vote)) * 5 * 8 + vote, (name, r, t)
             assert fp32_equivalent == full + calls * fp32, (name, r, t)
-            if name == "adam":
+            if name.startswith("adam"):
                 assert calls == (0 if needs else 1)
         assert ranks[r]["onebit"][:2] == (REPLICAS, _replica(r))  # its error buffers: its rank in the replicate group
         assert ranks[r]["group_is_replicate"]
