@@ -53,6 +53,8 @@ class _OnebitSetup(transformers.TrainerCallback):
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         trainer = self.trainer
         optimizer = onebit_optimizer(trainer)
+        if optimizer is not None and state.max_steps > 0 and hasattr(optimizer, "limit_auto_freeze"):
+            optimizer.limit_auto_freeze(state.max_steps)  # freeze_step="auto": at most 15% of the run
         if optimizer is not None and _world() > 1 and trainer._onebit_handle is None:
             trainer._onebit_handle = enable_onebit(trainer.accelerator, trainer.model_wrapped, trainer.optimizer)
 

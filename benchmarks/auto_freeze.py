@@ -32,16 +32,27 @@ SHARES = (0.05, 0.10, 0.20, 0.40)
 HF_LINE = re.compile(r"eval loss (?P<loss>[\d.]+) after (?P<steps>\d+) steps.*?(chose step (?P<chose>\d+))?$")
 
 
-def main_job(steps: int, setting: str, out: Path) -> tuple[float, int | None]:
-    """(final val loss, the step the 1-bit stage started) of one main-job run."""
+def main_job(steps: int, setting: str, out: Path, reuse: bool = False) -> tuple[float, int | None]:
+    """(final val loss, the step the 1-bit stage started) of one main-job run (``reuse``: a finished one)."""
     result = main_job_run(f"main_{setting}", [f"trainer.max_steps={steps}", f"strategy.freeze_step={setting}"], [],
-                          out)
+                          out, resume=reuse)
     summary = result["summary"]
     return summary["final_val_loss"], summary["comm"].get("stage_switch_step")
 
 
-def hf_example(steps: int, setting: str, out: Path) -> tuple[float, int | None]:
+def hf_example(steps: int, setting: str, out: Path, reuse: bool = False) -> tuple[float, int | None]:
     """(final eval loss, the warmup's last step) of one HF example run (fixed: the setting itself)."""
+    log = out / f"hf_{setting}.stdout"
+    if not (reuse and log.exists()):
+        log.write_text(_run_hf(steps, setting, out))
+    found = [m for m in map(HF_LINE.search, log.read_text().splitlines()) if m]
+    if not found:
+        raise SystemExit(f"hf {setting}: no result line in {log}")
+    chose = found[-1].group("chose")
+    return float(found[-1].group("loss")), int(chose) if chose else int(setting)
+
+
+def _run_hf(steps: int, setting: str, out: Path) -> str:
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                str(REPO / "examples" / "hf_trainer_onebit.py"), "--optim", "onebit_adam",
                "--optim_args", f"freeze_step={setting}", "--max_steps", str(steps),
@@ -50,19 +61,15 @@ def hf_example(steps: int, setting: str, out: Path) -> tuple[float, int | None]:
                             env={**os.environ, "PYTHONWARNINGS": "ignore"})
     if result.returncode != 0:
         raise SystemExit(f"hf {setting} failed:\n{result.stderr[-4000:]}")
-    found = [m for m in map(HF_LINE.search, result.stdout.splitlines()) if m]
-    if not found:
-        raise SystemExit(f"hf {setting}: no result line in\n{result.stdout[-2000:]}")
-    chose = found[-1].group("chose")
-    return float(found[-1].group("loss")), int(chose) if chose else int(setting)
+    return result.stdout
 
 
-def sweep(name: str, runner, steps: int, out: Path) -> dict:
+def sweep(name: str, runner, steps: int, out: Path, reuse: bool) -> dict:
     rows = {}
     for share in SHARES:
         setting = str(max(1, round(share * steps)))
-        rows[f"{share:.0%}"] = dict(zip(("loss", "switch"), runner(steps, setting, out)), setting=setting)
-    rows["auto"] = dict(zip(("loss", "switch"), runner(steps, "auto", out)), setting="auto")
+        rows[f"{share:.0%}"] = dict(zip(("loss", "switch"), runner(steps, setting, out, reuse)), setting=setting)
+    rows["auto"] = dict(zip(("loss", "switch"), runner(steps, "auto", out, reuse)), setting="auto")
     fixed = {k: v for k, v in rows.items() if k != "auto"}
     best = min(fixed.values(), key=lambda r: r["loss"])
     auto = rows["auto"]
@@ -83,6 +90,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--main-steps", type=int, default=400)
     parser.add_argument("--hf-steps", type=int, default=240)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--reuse", action="store_true", help="take the finished runs found in --out as they are")
     args = parser.parse_args(argv)
     out = args.out or Path(tempfile.mkdtemp(prefix="auto_freeze_"))
     out.mkdir(parents=True, exist_ok=True)
@@ -91,9 +99,11 @@ def main(argv: list[str] | None = None) -> None:
           f"load average {facts['loadavg_1_5_15min']}; runs in {out}")
     results = {"machine": facts}
     if args.only in (None, "main"):
-        results["main_job"] = sweep("main job (1-bit Adam, 2 processes)", main_job, args.main_steps, out)
+        results["main_job"] = sweep("main job (1-bit Adam, 2 processes)", main_job, args.main_steps, out,
+                                    args.reuse)
     if args.only in (None, "hf"):
-        results["hf_example"] = sweep("examples/hf_trainer_onebit.py (2 ranks)", hf_example, args.hf_steps, out)
+        results["hf_example"] = sweep("examples/hf_trainer_onebit.py (2 ranks)", hf_example, args.hf_steps,
+                                      out, args.reuse)
     print("JSON " + json.dumps(results))
 
 

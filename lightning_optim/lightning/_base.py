@@ -170,6 +170,8 @@ class _OnebitStrategyMixin(_AgreedClipMixin, _PerRankCheckpointMixin, _ByteCount
         super().on_train_start()
         opt, trainer = self._onebit, self.lightning_module.trainer
         total = trainer.estimated_stepping_batches
+        if opt is not None and math.isfinite(total) and hasattr(opt, "limit_auto_freeze"):
+            opt.limit_auto_freeze(opt.global_step + max(0, int(total) - trainer.global_step))  # every rank
         if opt is None or self.global_rank != 0 or not math.isfinite(total):
             return
         auto = getattr(opt, "_auto", None)  # freeze_step="auto": the earliest step it may choose

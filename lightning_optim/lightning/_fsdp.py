@@ -215,6 +215,13 @@ class _OnebitFSDPMixin(_AgreedClipMixin, _ByteCountingMixin, _CommFailureMixin):
         """HSDP's full-precision all-reduce of this rank's shard over its replicas (what 1-bit replaces)."""
         return ring_allreduce_bytes(self._trained_numel, self._device_mesh.size(0))
 
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        trainer, opt = self.lightning_module.trainer, self._onebit
+        total = trainer.estimated_stepping_batches
+        if opt is not None and math.isfinite(total) and hasattr(opt, "limit_auto_freeze"):
+            opt.limit_auto_freeze(opt.global_step + max(0, int(total) - trainer.global_step))
+
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._handle is not None:
             self._handle.prepare_backward()

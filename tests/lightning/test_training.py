@@ -106,6 +106,15 @@ def test_switch_is_stable_through_gradient_accumulation(runs):
     assert torch.equal(runs[0]["accumulate"]["params"], runs[1]["accumulate"]["params"])
 
 
+def test_auto_freeze_is_capped_at_a_share_of_the_run(runs):
+    """The band rule cannot fire before its window (20 steps); the strategy knows the fit's 20 steps and caps
+    the warmup at 15% of them: DDP's allreduce for 3 steps, then 1-bit, on both ranks."""
+    for r in range(2):
+        rows = runs[r]["auto"]["rows"]
+        assert [row["ddp_allreduce"] for row in rows] == [True] * 3 + [False] * 17, r
+        assert all(row["bytes_sent"] < row["fp32_bytes"] / 25 for row in rows[3:])
+
+
 def test_a_onebit_optimizer_is_used_as_is(runs):
     result = runs[0]["given_onebit"]
     assert result["optimizer"] == "OnebitAdam" and result["average_grads"] is False

@@ -150,6 +150,8 @@ def suite(rank: int, world: int, tmp: str) -> dict[str, Any]:
 
     import torch.distributed as dist
 
+    import lightning_optim.lightning.strategies as strategies
+
     _lightning_env(rank, world)
     tmp = Path(tmp)
     out: dict[str, Any] = {}
@@ -165,6 +167,9 @@ def suite(rank: int, world: int, tmp: str) -> dict[str, Any]:
         warnings.simplefilter("always")
         out["given_onebit"] = _fit(rank, world, "onebit_adam", tmp / "given", max_steps=6, source="onebit_adam")
     out["given_onebit"]["warnings"] = [str(w.message) for w in caught if "used as is" in str(w.message)]
+    # freeze_step="auto" on a 20-step fit: the strategy caps the warmup at 15% of the run (3 steps)
+    out["auto"] = _fit(rank, world, "onebit_adam", tmp / "auto", max_steps=20,
+                       strategy=strategies.OnebitAdamStrategy(freeze_step="auto", timeout=60))
     lonely = str(tmp / "no_rank_file.ckpt")  # the main checkpoint without its rank-1 file
     if rank == 0:
         shutil.copy(out["onebit_adam"]["ckpt"], lonely)

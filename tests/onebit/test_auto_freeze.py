@@ -46,3 +46,20 @@ def test_a_checkpoint_mid_warmup_resumes_bitwise_and_chooses_the_same_step(ranks
         for a, b in zip(full, resumed):
             assert a["needs"] == b["needs"] and a["freeze_step"] == b["freeze_step"]
             assert all(torch.equal(x, y) for x, y in zip(a["params"], b["params"])), (name, r)
+
+
+def test_a_known_run_length_caps_the_automatic_warmup():
+    from lightning_optim import OnebitAdam
+
+    def opt(**kw):
+        return OnebitAdam([torch.zeros(2, requires_grad=True)], **kw)
+
+    capped = opt(freeze_step="auto")
+    capped.limit_auto_freeze(400)
+    assert capped.freeze_step == 60  # 15% of the run, until the rule picks an earlier step
+    given = opt(freeze_step="auto", auto_freeze_max=500)
+    given.limit_auto_freeze(400)
+    assert given.freeze_step == 500  # the user's cap stays
+    fixed = opt(freeze_step=7)
+    fixed.limit_auto_freeze(400)
+    assert fixed.freeze_step == 7
