@@ -58,6 +58,7 @@ if TYPE_CHECKING:  # the same names for type checkers and IDEs; tests/test_catal
         CentralizedSparsifiedSGD,
         CustomCentralizedOptimizer,
         DecentralizedSGD,
+        DiLoCo,
         GenericCentralizedOptimizer,
         PowerSGD,
     )

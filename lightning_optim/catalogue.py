@@ -74,8 +74,9 @@ OPTIMIZERS: dict[str, OptimizerEntry] = {e.name: e for e in (
 
 _DIST = "lightning_optim.distributed."
 
-# mlbench-core's distributed optimizers (seed 004): built over a model or params and a process group,
-# they communicate in step(); exported at the top level (lazily), not HF/Hydra ``optimizer`` names.
+# mlbench-core's distributed optimizers (seed 004) and DiLoCo (a wrapper over any local optimizer): built over a
+# model, params or an inner optimizer and a process group, they communicate in step(); exported at the top level
+# (lazily), not HF/Hydra ``optimizer`` names.
 DISTRIBUTED: dict[str, OptimizerEntry] = {e.name: e for e in (
     OptimizerEntry("generic_centralized", _DIST + "GenericCentralizedOptimizer"),
     OptimizerEntry("centralized_sgd", _DIST + "CentralizedSGD"),
@@ -84,6 +85,7 @@ DISTRIBUTED: dict[str, OptimizerEntry] = {e.name: e for e in (
     OptimizerEntry("centralized_sparsified_sgd", _DIST + "CentralizedSparsifiedSGD"),
     OptimizerEntry("powersgd", _DIST + "PowerSGD"),
     OptimizerEntry("decentralized_sgd", _DIST + "DecentralizedSGD"),
+    OptimizerEntry("diloco", _DIST + "DiLoCo"),
 )}
 
 STRATEGIES: dict[str, StrategyEntry] = {e.name: e for e in (

@@ -4,7 +4,9 @@
   ``CentralizedAdam``, ``CustomCentralizedOptimizer`` (``centralized.py``);
 * compressed: ``CentralizedSparsifiedSGD`` (``sparsified.py``), ``PowerSGD`` (``powersgd.py``), on the
   compressors and error feedback of :mod:`lightning_optim.comm.compressors`;
-* decentralized (gossip over a topology, point-to-point): ``DecentralizedSGD`` (``decentralized.py``).
+* decentralized (gossip over a topology, point-to-point): ``DecentralizedSGD`` (``decentralized.py``);
+* low-communication: ``DiLoCo`` (``diloco.py``): any inner optimizer, an outer Nesterov step on the averaged
+  pseudo-gradient every ``sync_every`` steps; Streaming DiLoCo's fragments and overlap; compressed exchanges.
 
 Importing this package imports none of them; each name loads its module on first access.
 """
@@ -22,6 +24,7 @@ _WHERE = {
     "CentralizedSparsifiedSGD": "sparsified",
     "PowerSGD": "powersgd",
     "DecentralizedSGD": "decentralized",
+    "DiLoCo": "diloco",
 }
 
 __all__ = sorted(_WHERE)

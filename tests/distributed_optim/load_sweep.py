@@ -24,6 +24,7 @@ from lightning_optim.distributed import (
     CentralizedSparsifiedSGD,
     CustomCentralizedOptimizer,
     DecentralizedSGD,
+    DiLoCo,
     GenericCentralizedOptimizer,
     PowerSGD,
 )
@@ -61,6 +62,9 @@ DISTRIBUTED_BUILDS: dict[str, Build] = {
         generator=torch.Generator().manual_seed(5)),
     "powersgd": lambda m, w: PowerSGD(m, lr=0.1, momentum=0.9, reuse_query=True, rank=2, world_size=w),
     "decentralized_sgd": lambda m, w: DecentralizedSGD(model=m, lr=0.1, momentum=0.9),
+    # synchronises after step 3 of STEPS = 3: its state holds an overlapped exchange still to merge
+    "diloco": lambda m, w: DiLoCo(lo.SGD(m.parameters(), lr=0.1, momentum=0.9), sync_every=3, overlap=True,
+                                  compressor="int8"),
 }
 # a torch.optim local optimizer: its load is torch's, so the centralized class checks for it
 EXTRA_BUILDS: dict[str, Build] = {
@@ -161,6 +165,8 @@ def _extra_corruptions(sd: dict[str, Any]) -> Iterator[tuple[str, str, dict]]:
             variants.pop("wrong shape")  # a 2-D warm start of another shape is redrawn, by design
             for what, bad in variants.items():
                 yield f"powersgd query {key} {what}", "queries", _edited(sd, ("powersgd", "queries", key), bad)
+    if "diloco" in sd:
+        yield from _diloco_corruptions(sd)
     if "onebit" in sd:
         onebit = sd["onebit"]
         for key in ("worker_error", "server_error"):
@@ -173,6 +179,23 @@ def _extra_corruptions(sd: dict[str, Any]) -> Iterator[tuple[str, str, dict]]:
             if isinstance(value, int):
                 for what, bad in {"str": "x", "negative": -1, "fraction": 1.5}.items():
                     yield f"onebit schedule {key} {what}", key, _edited(sd, ("onebit", "schedule", key), bad)
+
+
+def _diloco_corruptions(sd: dict[str, Any]) -> Iterator[tuple[str, str, dict]]:
+    section = sd["diloco"]
+    for key in ("global_params", "outer_momentum"):
+        for what, bad in _tensor_variants(section[key][0]).items():
+            yield f"diloco {key} {what}", key, _edited(sd, ("diloco", key, 0), bad)
+        yield f"diloco {key} short", key, _edited(sd, ("diloco", key), section[key][:1])
+    for what, bad in {"str": "x", "negative": -1, "fraction": 1.5, "bool": True}.items():
+        yield f"diloco step {what}", "step", _edited(sd, ("diloco", "step"), bad)
+    if section["pending"] is not None:
+        for what, bad in _tensor_variants(section["pending"]["deltas"][0]).items():
+            yield f"diloco pending delta {what}", "pending", _edited(sd, ("diloco", "pending", "deltas", 0), bad)
+        yield "diloco pending fragment", "pending", _edited(sd, ("diloco", "pending", "fragment"), 5)
+    yield "diloco compressor generator", "compressors", _edited(sd, ("diloco", "compressors", 0, "generator"),
+                                                                torch.zeros(3))
+    yield "diloco settings", "settings", _edited(sd, ("diloco", "settings", "sync_every"), 4)
 
 
 def sweep_loads(opt: torch.optim.Optimizer, m: nn.Module) -> tuple[int, list[str]]:

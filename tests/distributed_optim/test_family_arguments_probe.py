@@ -22,13 +22,22 @@ from torch import nn
 
 import lightning_optim as lo
 from lightning_optim.catalogue import DISTRIBUTED
-from lightning_optim.comm.compressors import Blockwise, ErrorFeedback, PowerSGDCompressor, RandomK, TopK
+from lightning_optim.comm.compressors import (
+    Blockwise,
+    ErrorFeedback,
+    Int4Quantizer,
+    Int8Quantizer,
+    PowerSGDCompressor,
+    RandomK,
+    TopK,
+)
 from lightning_optim.distributed import (
     CentralizedAdam,
     CentralizedSGD,
     CentralizedSparsifiedSGD,
     CustomCentralizedOptimizer,
     DecentralizedSGD,
+    DiLoCo,
     GenericCentralizedOptimizer,
     PowerSGD,
 )
@@ -46,7 +55,7 @@ from tests.distributed_optim.load_sweep import (
 FAMILY = {**DISTRIBUTED_BUILDS, **EXTRA_BUILDS}
 # add_param_group refused outright: the aggregated params were agreed on by every rank at construction
 FIXED = {"generic_centralized", "centralized_sgd", "centralized_adam", "custom_centralized",
-         "generic_centralized[torch.optim.Adam]"}
+         "generic_centralized[torch.optim.Adam]", "diloco"}
 OPEN = {"powersgd": PowerSGD, "centralized_sparsified_sgd": CentralizedSparsifiedSGD}  # groups may be added
 
 
@@ -158,6 +167,7 @@ NON_FLOATING: dict[str, Callable[[torch.dtype], Any]] = {
         None, m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1)))(_odd_model(dt)),
     "custom_centralized": lambda dt: (lambda m: CustomCentralizedOptimizer(
         m, None, torch.optim.SGD(m.parameters(), lr=0.1)))(_odd_model(dt)),
+    "diloco": lambda dt: DiLoCo(torch.optim.SGD([_fresh(), torch.zeros(3, dtype=dt)], lr=0.1), sync_every=2),
 }
 
 
@@ -221,12 +231,18 @@ ARGUMENTS: dict[str, tuple[Callable[..., Any], dict[str, tuple[float | int, set[
     "DecentralizedSGD": (_stepped(lambda m, **kw: DecentralizedSGD(**{"model": m, "lr": 0.1, **kw})),
                          {"rank": (0, {"0"}), "lr": (0.1, {"0"}), "momentum": (0.9, {"0"}),
                           "dampening": (0.1, {"0"}), "weight_decay": (0.01, {"0"})}),
+    "DiLoCo": (_stepped(lambda m, **kw: DiLoCo(lo.SGD(m.parameters(), lr=0.1), **{"sync_every": 2, "overlap": True,
+                                                                               **kw})),
+               {"sync_every": (2, set()), "fragments": (2, set()), "outer_lr": (0.7, set()),
+                "outer_momentum": (0.9, set()), "mixing": (0.5, {"0"})}),
     "TopK": (lambda **kw: _reduced(TopK)(**_sparse_kw(kw)), {"k": (2, set()), "ratio": (0.5, set())}),
     "RandomK": (lambda **kw: _reduced(RandomK)(**_sparse_kw(kw)),
                 {"k": (2, set()), "ratio": (0.5, set()), "seed": (3, {"0"})}),
     "Blockwise": (lambda **kw: _reduced(Blockwise)(**_sparse_kw(kw)),
                   {"k": (2, set()), "ratio": (0.5, set()), "seed": (3, {"0"})}),
     "PowerSGDCompressor": (_reduced(PowerSGDCompressor), {"rank": (2, set()), "seed": (3, {"0"})}),
+    "Int8Quantizer": (_reduced(Int8Quantizer), {"chunk": (4, set()), "seed": (3, {"0"})}),
+    "Int4Quantizer": (_reduced(Int4Quantizer), {"chunk": (4, set()), "seed": (3, {"0"})}),
 }
 
 

@@ -12,6 +12,8 @@ comm hooks (one bucket tensor), on any torch.distributed backend.
 * :class:`TopK`, :class:`RandomK`, :class:`Blockwise` (``sparse.py``); :func:`gather_sparse`.
 * :class:`ScaledSign` (``sign.py``): EF-SignSGD's scaled sign; ``majority_vote=True``: signSGD's vote.
 * :class:`PowerSGDCompressor`, :func:`orthogonalize_` (``powersgd.py``).
+* :class:`Int8Quantizer`, :class:`Int4Quantizer`, :class:`Quantizer` (``quantize.py``): per-chunk scaled
+  integer codes, nearest or stochastic rounding; ``start_reduce`` leaves the all-gather in flight.
 * :class:`OnebitCompressor` (``onebit.py``): DeepSpeed's error-compensated 1-bit averaging (the 1-bit
   optimizers' compressor; it keeps its worker/server error buffers itself).
 * :func:`agree`, :func:`fingerprint`, :func:`control_device`: re-exported from ``comm/agreement.py``
@@ -25,6 +27,7 @@ from .base import Compressor, LocalCompressor
 from .feedback import ErrorFeedback, absorb_, compensate
 from .onebit import OnebitCompressor
 from .powersgd import PowerSGDCompressor, orthogonalize_
+from .quantize import Int4Quantizer, Int8Quantizer, Quantizer
 from .sign import ScaledSign, SignPayload
 from .sparse import Blockwise, RandomK, SparsePayload, Sparsifier, TopK, gather_sparse
 
@@ -44,6 +47,9 @@ __all__ = [
     "SignPayload",
     "PowerSGDCompressor",
     "OnebitCompressor",
+    "Quantizer",
+    "Int8Quantizer",
+    "Int4Quantizer",
     "orthogonalize_",
     "agree",
     "control_device",

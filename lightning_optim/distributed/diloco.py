@@ -1,0 +1,338 @@
+r"""DiLoCo and Streaming DiLoCo: any inner optimizer steps locally; every ``sync_every`` steps the ranks
+average how far they moved and take one outer Nesterov step together.
+
+DiLoCo (Douillard et al. 2023, arXiv 2311.08105), on :math:`W` ranks of ``process_group``, :math:`H` =
+``sync_every``: every rank :math:`r` starts from the global params :math:`\theta_g` and runs :math:`H` inner
+steps of its own optimizer (Adam(W), SGD, ... ours or torch's: its state stays on the rank), reaching
+:math:`\theta_r`. Then, identically on every rank:
+
+.. math::
+    \Delta_r = \theta_g - \theta_r, \qquad \bar\Delta = \tfrac1W \textstyle\sum_r \Delta_r \quad
+    \text{(the pseudo-gradient, all-reduced: the only communication)} \\
+    b \leftarrow \mu b + \bar\Delta, \qquad
+    \theta_g \leftarrow \theta_g - \eta\,(\bar\Delta + \mu b) \;\text{(Nesterov; } \theta_g - \eta b \text{ without,}
+    \ \theta_g - \eta\bar\Delta \text{ for } \mu = 0) \\
+    \theta_r \leftarrow \theta_g
+
+with :math:`\eta` = ``outer_lr`` (0.7), :math:`\mu` = ``outer_momentum`` (0.9), :math:`b_0 = 0`: the step
+``torch.optim.SGD(lr=outer_lr, momentum=outer_momentum, nesterov=nesterov)`` takes with :math:`\bar\Delta` as
+the gradient. Between synchronisations nothing is sent at all.
+
+Streaming DiLoCo (Douillard et al. 2025, arXiv 2501.18512):
+
+* ``fragments=F`` (:math:`F \mid H`): the params, in the inner optimizer's order, cut into :math:`F`
+  contiguous fragments balanced by element count; fragment :math:`f` synchronises (the equations above on
+  its params alone, with its own :math:`\theta_g` and :math:`b`) after inner step :math:`t` when
+  :math:`t \bmod H = (f+1) H/F \bmod H` - one fragment every :math:`H/F` steps, each one every :math:`H`
+  steps, so each exchange carries about :math:`1/F` of the model (``diloco_schedule.py``).
+* ``overlap=True``: the exchange of the fragment that synchronises after step :math:`t` is started (the
+  all-reduce in flight) and merged after step :math:`t+1` (the paper's delay :math:`\tau = 1`), the rank
+  having trained one more step meanwhile; the merge mixes with :math:`\alpha` = ``mixing`` (0.5, the paper's):
+
+  .. math:: \theta_g \leftarrow \mathrm{OuterSGD}(\theta_g, \bar\Delta^{(t)}), \qquad
+            \theta_r^{(t+1)} \leftarrow \alpha\,\theta_r^{(t+1)} + (1-\alpha)\,\theta_g
+
+  (:math:`\alpha = 0`: take the global params, dropping the step made meanwhile). A merge comes before the
+  exchange that starts at the same step.
+
+``compressor=``: the pseudo-gradients travel compressed, with this rank's error feedback
+(:math:`c = \Delta_r + e_r,\ e_r \leftarrow c - C(c)`): ``"int8"``/``"int4"`` (per-chunk scaled integer
+codes, in flight like the all-reduce), ``"onebit"`` (DeepSpeed's error-compensated 1-bit averaging),
+``"sign"``, ``"topk"`` (1%), ``"powersgd"`` (rank 4), or any
+:class:`~lightning_optim.comm.compressors.Compressor` (each fragment uses its own copy). Those other than
+int8/int4 block while they exchange; with ``overlap`` their average still merges one step later. With one
+rank nothing is sent and nothing compressed.
+
+Precision: :math:`\theta_g`, :math:`b`, :math:`\Delta` and the residuals are kept in fp32 for fp16/bf16
+params, in the params' dtype otherwise. Bytes (``comm_stats()``): what the all-reduce (ring rule) or the
+compressor puts on the wire, plus at construction one small agreement (the arguments and the params' layout) and
+one broadcast of group rank 0's params into every rank's :math:`\theta_g` (and a compressor's first call).
+
+Checkpoints: ``state_dict()`` holds the inner optimizer's state (``state``, ``param_groups``: this rank's
+own) and ``"diloco"`` (``diloco_state.py``: global params, outer momentum, step, residuals, compressor
+states, an overlapped exchange still to merge - waited for first). A reload in a fresh object continues
+bitwise. Failures: a rank that dies or hangs during an exchange makes the others raise ``CommunicationError``
+naming it within ``lightning_optim.comm.collective_timeout()`` (``comm/roll_call.py``).
+"""
+from __future__ import annotations
+
+import copy
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_optim.comm.agreement import agree, fingerprint, layout_signature
+from lightning_optim.comm.dense import world_size
+from lightning_optim.comm.timeouts import check_process_group
+from lightning_optim.optim.validation import check_flag, check_int, check_positive, check_unit_interval
+
+from .agreement import bits_float, float_bits
+from .centralized import GenericCentralizedOptimizer
+from .communicating import CommunicatingOptimizer
+from .compressed_checks import check_distinct_params, check_float_params
+from .decentralized import DecentralizedSGD
+from .diloco_exchange import (
+    COMPRESSORS,
+    Exchange,
+    broadcast_global_,
+    keeps_own_errors,
+    resolve_compressor,
+    start_exchange,
+)
+from .diloco_schedule import fragment_bounds, outer_step_, pseudo_gradients, syncing_fragment, take_global_
+from .diloco_state import check_section
+from .loading import check_local_state_dict
+
+__all__ = ["DiLoCo"]
+
+ARGUMENTS = ("inner", "params", "sync_every", "fragments", "outer_lr", "outer_momentum", "nesterov", "overlap",
+             "mixing", "compressor")
+_FIELDS = ("sync_every", "fragments", "overlap", "nesterov", "outer_lr", "outer_momentum", "mixing", "compressor",
+           "params", "elements", "shapes")
+_WIDENED = (torch.float16, torch.bfloat16)  # their global copy, momentum and residuals are fp32
+DEFAULT_MIXING = 0.5
+
+
+def _check_inner(inner: object) -> list[Tensor]:
+    if not isinstance(inner, torch.optim.Optimizer):
+        raise TypeError(f"inner must be a torch.optim.Optimizer over the model's params (ours or torch's), got "
+                        f"{type(inner).__name__}")
+    if isinstance(inner, DiLoCo):
+        raise TypeError("inner: a DiLoCo cannot wrap another DiLoCo; wrap its inner optimizer")
+    if isinstance(inner, (CommunicatingOptimizer, GenericCentralizedOptimizer, DecentralizedSGD)):
+        raise ValueError(f"inner: {type(inner).__name__} communicates at every step; DiLoCo needs a local optimizer "
+                         "(e.g. lightning_optim.AdamW or torch.optim.AdamW) and does the communication itself")
+    if getattr(inner, "gradient_release", False):
+        raise ValueError("inner: under gradient release the inner step runs inside backward, outside DiLoCo.step(); "
+                         "use it without prepare_for_gradient_release")
+    params = [p for group in inner.param_groups for p in group["params"]]
+    check_distinct_params(params)
+    check_float_params(params)
+    return params
+
+
+def _check_settings(params: list[Tensor], sync_every: object, fragments: object, outer_lr: object,
+                    outer_momentum: object, nesterov: object, overlap: object, mixing: object) -> dict[str, Any]:
+    sync_every = check_int("sync_every", sync_every, 1)
+    fragments = check_int("fragments", fragments, 1)
+    if fragments > sync_every or sync_every % fragments:
+        raise ValueError(f"fragments must divide sync_every={sync_every} (one fragment every sync_every/fragments "
+                         f"steps), so lie in [1, {sync_every}], got {fragments}")
+    if fragments > len(params):
+        raise ValueError(f"fragments must be in [1, {len(params)}] (the inner optimizer's {len(params)} params, one "
+                         f"at least per fragment), got {fragments}")
+    outer_lr = check_positive("outer_lr", outer_lr)
+    outer_momentum = check_unit_interval("outer_momentum", outer_momentum)
+    check_flag("nesterov", nesterov)
+    if nesterov and outer_momentum == 0:
+        raise ValueError("nesterov=True needs outer_momentum in (0, 1), got 0.0 (or pass nesterov=False)")
+    check_flag("overlap", overlap)
+    if mixing is not None:
+        if not overlap:
+            raise ValueError(f"mixing={mixing!r} is only used with overlap=True (without overlap every rank takes "
+                             "the global params); leave it None")
+        mixing = check_unit_interval("mixing", mixing, closed_right=True)
+    elif overlap:
+        mixing = DEFAULT_MIXING
+    return dict(sync_every=sync_every, fragments=fragments, outer_lr=outer_lr, outer_momentum=outer_momentum,
+                nesterov=nesterov, overlap=overlap, mixing=mixing)
+
+
+def _compressor_code(name: str) -> int:
+    """0: none; 1 + i: the i-th name of ``COMPRESSORS``; else a checksum of the instance's class name."""
+    names = ["none", *COMPRESSORS]
+    return names.index(name) if name in names else fingerprint([name]) + len(names)
+
+
+def _show(field: str, value: int) -> str:
+    """A differing value of the construction agreement as a person reads it."""
+    if field in ("outer_lr", "outer_momentum", "mixing"):
+        number = bits_float(value)
+        return "None" if field == "mixing" and number == -1.0 else repr(number)
+    if field == "compressor":
+        names = ["none", *COMPRESSORS]
+        return repr(names[value]) if value < len(names) else f"a Compressor instance (class checksum {value:x})"
+    if field == "shapes":
+        return f"checksum {value & 0xFFFFFFFF:08x}"
+    return repr(bool(value)) if field in ("overlap", "nesterov") else str(value)
+
+
+class DiLoCo(torch.optim.Optimizer):
+    """DiLoCo / Streaming DiLoCo over ``inner`` (see the module docstring for the equations).
+
+    Args:
+        inner: the local optimizer (any ``torch.optim.Optimizer`` that does not communicate by itself).
+        sync_every: H >= 1, inner steps between two synchronisations of a fragment.
+        outer_lr: the outer SGD's learning rate, > 0.
+        outer_momentum: its momentum, in [0, 1).
+        nesterov: Nesterov momentum (needs outer_momentum > 0).
+        fragments: F >= 1 dividing H (and at most the number of params): Streaming DiLoCo's fragments.
+        overlap: start each exchange after its step and merge it one inner step later.
+        mixing: alpha in [0, 1] of the overlapped merge (None: 0.5 with overlap; only with overlap).
+        compressor: None, a name ("int8", "int4", "onebit", "sign", "topk", "powersgd") or a Compressor.
+        process_group: the ranks that average (None: the default group).
+    """
+
+    def __init__(self, inner: torch.optim.Optimizer, *, sync_every: int, outer_lr: float = 0.7,
+                 outer_momentum: float = 0.9, nesterov: bool = True, fragments: int = 1, overlap: bool = False,
+                 mixing: float | None = None, compressor: Any = None, process_group: Any = None) -> None:
+        check_process_group("process_group", process_group)
+        error, row = None, None
+        try:
+            params = _check_inner(inner)
+            settings = _check_settings(params, sync_every, fragments, outer_lr, outer_momentum, nesterov, overlap,
+                                       mixing)
+            compressor_name, prototype = resolve_compressor(compressor)
+            row = {**{k: int(settings[k]) for k in ("sync_every", "fragments", "overlap", "nesterov")},
+                   "outer_lr": float_bits(settings["outer_lr"]),
+                   "outer_momentum": float_bits(settings["outer_momentum"]),
+                   "mixing": float_bits(-1.0 if settings["mixing"] is None else settings["mixing"]),
+                   "compressor": _compressor_code(compressor_name), "params": len(params),
+                   "elements": sum(p.numel() for p in params), "shapes": fingerprint(layout_signature(params))}
+        except (TypeError, ValueError) as exc:
+            error = exc
+        # every rank checked its own arguments; now all raise, or none does
+        agree(type(self).__name__, _FIELDS, row, group=process_group, like=[] if error else params, error=error,
+              arguments=ARGUMENTS, show=_show)
+        for hooks in ("step_pre", "step_post", "state_dict_pre", "state_dict_post", "load_state_dict_pre",
+                      "load_state_dict_post"):
+            setattr(self, f"_optimizer_{hooks}_hooks", OrderedDict())
+        self._patch_step_function()  # torch's step hooks and profiler label, as Optimizer.__init__ does
+        self.inner = inner
+        self.process_group = process_group
+        self.params = params
+        self.__dict__.update(settings)
+        self.compressor_name = compressor_name
+        self.bounds = fragment_bounds([p.numel() for p in params], self.fragments)
+        self.compressors = [None if prototype is None else copy.deepcopy(prototype) for _ in self.bounds]
+        with torch.no_grad():
+            self.global_params = [p.detach().to(torch.float32 if p.dtype in _WIDENED else p.dtype, copy=True)
+                                  for p in params]
+        # one global copy on every rank: group rank 0's (a rank that started elsewhere is pulled in at its first sync)
+        broadcast_global_(self.global_params, process_group)
+        self.outer_momenta = [torch.zeros_like(g) for g in self.global_params] if self.outer_momentum else []
+        self.residuals: list[Tensor | None] = [None] * len(params)
+        self.inner_steps = 0
+        self.pending: tuple[int, int, Exchange] | None = None  # (fragment, step it merges at, its exchange)
+
+    # ------------------------------------------------------------------ torch.optim.Optimizer face
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        """The inner optimizer's groups (LR schedulers set the inner ``lr`` here)."""
+        return self.inner.param_groups
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        return self.inner.state
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        return self.inner.defaults
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.inner.zero_grad(set_to_none=set_to_none)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        raise RuntimeError("DiLoCo: the synchronised params are fixed at construction (every rank agreed on them and "
+                           "they hold a global copy); add the group to the inner optimizer before wrapping it")
+
+    def __repr__(self) -> str:
+        return (f"DiLoCo(sync_every={self.sync_every}, outer_lr={self.outer_lr}, outer_momentum={self.outer_momentum}, "
+                f"nesterov={self.nesterov}, fragments={self.fragments}, overlap={self.overlap}, mixing={self.mixing}, "
+                f"compressor={self.compressor_name!r}, inner={self.inner!r})")
+
+    # ------------------------------------------------------------------ stepping
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One inner step; then the overlapped merge due now, and the exchange of the fragment due now."""
+        if closure is not None and not callable(closure):
+            raise TypeError(f"closure must be None or a callable returning the loss, got {type(closure).__name__}")
+        loss = self.inner.step() if closure is None else self.inner.step(closure)
+        self.inner_steps += 1
+        t = self.inner_steps
+        with torch.no_grad():
+            if self.pending is not None and self.pending[1] == t:
+                fragment, _, exchange = self.pending
+                self.pending = None
+                self._merge(fragment, exchange.result(), self.mixing)
+            fragment = syncing_fragment(t, self.sync_every, self.fragments)
+            if fragment is not None:
+                exchange = self._start(fragment, t)
+                if self.overlap:
+                    self.pending = (fragment, t + 1, exchange)
+                else:
+                    self._merge(fragment, exchange.result(), None)
+        return loss
+
+    def _start(self, fragment: int, t: int) -> Exchange:
+        lo, hi = self.bounds[fragment]
+        deltas = pseudo_gradients(self.global_params[lo:hi], self.params[lo:hi])
+        compressor = self.compressors[fragment]
+        residuals = None
+        if compressor is not None and not keeps_own_errors(compressor) and world_size(self.process_group) > 1:
+            for i in range(lo, hi):
+                if self.residuals[i] is None:
+                    self.residuals[i] = torch.zeros_like(self.global_params[i])
+            residuals = self.residuals[lo:hi]
+        return start_exchange(deltas, compressor=compressor, residuals=residuals, group=self.process_group,
+                              what=f"DiLoCo exchange of fragment {fragment} after inner step {t}",
+                              tag=f"diloco/step{t}/fragment{fragment}")
+
+    def _merge(self, fragment: int, averaged: list[Tensor], mixing: float | None) -> None:
+        lo, hi = self.bounds[fragment]
+        outer_step_(self.global_params[lo:hi], self.outer_momenta[lo:hi] if self.outer_momenta else [], averaged,
+                    lr=self.outer_lr, momentum=self.outer_momentum, nesterov=self.nesterov)
+        take_global_(self.params[lo:hi], self.global_params[lo:hi], mixing)
+
+    # ------------------------------------------------------------------ checkpoints
+    def _settings(self) -> dict[str, Any]:
+        return {"sync_every": self.sync_every, "fragments": self.fragments, "overlap": self.overlap,
+                "compressor": self.compressor_name}
+
+    def _origin(self) -> tuple[int, int]:
+        world = world_size(self.process_group)
+        return world, (torch.distributed.get_rank(self.process_group) if world > 1 else 0)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The inner optimizer's state dict plus ``"diloco"`` (see ``diloco_state.py``); an overlapped exchange
+        in flight is waited for (it was issued on every rank: no other rank needs to join)."""
+        out = self.inner.state_dict()
+        pending = None
+        if self.pending is not None:
+            fragment, merge_at, exchange = self.pending
+            pending = {"fragment": fragment, "merge_at": merge_at, "deltas": [d.clone() for d in exchange.result()]}
+        world, rank = self._origin()
+        out["diloco"] = {
+            "step": self.inner_steps,
+            "global_params": [g.clone() for g in self.global_params],
+            "outer_momentum": [b.clone() for b in self.outer_momenta],
+            "residuals": [None if e is None else e.clone() for e in self.residuals],
+            "compressors": [{} if c is None else copy.deepcopy(c.state_dict()) for c in self.compressors],
+            "pending": pending,
+            "settings": self._settings(),
+            "world_size": world,
+            "rank": rank,
+        }
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Check everything (naming the key), load the inner optimizer's part, then take DiLoCo's."""
+        if not isinstance(state_dict, dict):
+            raise ValueError(f"state_dict must be a dict from DiLoCo.state_dict(), got {type(state_dict).__name__}")
+        loaded = check_section(state_dict.get("diloco"), settings=self._settings(), bounds=self.bounds,
+                               global_params=self.global_params, outer_momentum=self.outer_momenta,
+                               compressors=self.compressors, origin=self._origin())
+        inner_part = {k: v for k, v in state_dict.items() if k != "diloco"}
+        check_local_state_dict(self.inner, inner_part)
+        self.inner.load_state_dict(inner_part)
+        self.inner_steps = loaded.step
+        self.global_params = loaded.global_params
+        self.outer_momenta = loaded.outer_momentum
+        self.residuals = loaded.residuals
+        self.compressors = loaded.compressors
+        self.pending = None
+        if loaded.pending is not None:
+            fragment, merge_at, deltas = loaded.pending
+            self.pending = (fragment, merge_at, Exchange.ready(deltas))

@@ -1,0 +1,187 @@
+"""What each gloo rank runs in the DiLoCo tests (module level, so ``spawn`` can pickle it), and the deterministic
+setup (params, data, inner optimizers, compressors) the parent replays in the W-worker reference."""
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+import lightning_optim as lo
+from lightning_optim.comm import CommunicationError, comm_stats, set_collective_timeout
+from lightning_optim.comm.compressors import Int4Quantizer, Int8Quantizer, PowerSGDCompressor, TopK
+from lightning_optim.distributed import DiLoCo
+from lightning_optim.distributed.diloco_schedule import syncing_fragment
+from tests.distributed import error_text
+
+SHAPES = [(6, 5), (6,), (3, 6), (3,)]
+DT = torch.float64
+STEPS = 10
+# name -> inner optimizer, DiLoCo keywords, compressor (a name for build_compressor), ranks (3: all; 2: a pair
+# subgroup), step after which the checkpoint is taken (mid-round; with overlap, an exchange still to merge)
+CONFIGS = {
+    "plain": dict(inner="sgd", kw=dict(sync_every=3), split=7),
+    "adamw_no_nesterov": dict(inner="adamw", kw=dict(sync_every=3, outer_lr=0.9, outer_momentum=0.5, nesterov=False),
+                              split=7),
+    "averaging_on_a_pair": dict(inner="sgd", kw=dict(sync_every=2, outer_lr=1.0, outer_momentum=0.0, nesterov=False),
+                                world=2, split=5),
+    "fragments": dict(inner="sgd", kw=dict(sync_every=4, fragments=2), split=7),
+    "overlap": dict(inner="sgd", kw=dict(sync_every=3, overlap=True, mixing=0.25), split=6),
+    "streaming": dict(inner="adamw", kw=dict(sync_every=3, fragments=3, overlap=True), split=6),
+    "int8": dict(inner="sgd", kw=dict(sync_every=4, fragments=2), compressor="int8", split=7),
+    "int4_stochastic_overlap": dict(inner="sgd", kw=dict(sync_every=3, overlap=True), compressor="int4", split=6),
+    "onebit": dict(inner="sgd", kw=dict(sync_every=3), compressor="onebit", split=7),
+    "topk": dict(inner="sgd", kw=dict(sync_every=3), compressor="topk", split=7),
+    "powersgd": dict(inner="sgd", kw=dict(sync_every=3), compressor="powersgd", split=7),
+    "sign": dict(inner="sgd", kw=dict(sync_every=3), compressor="sign", split=7),
+}
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "all_to_all_single",
+               "all_to_all", "broadcast", "reduce", "reduce_scatter_tensor", "gather", "scatter", "barrier", "send",
+               "recv", "isend", "irecv", "batch_isend_irecv")
+
+
+def init_params() -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randn(s, generator=gen, dtype=DT) * 0.5 for s in SHAPES]
+
+
+def loss_of(params, rank: int, step: int) -> torch.Tensor:
+    """A small tanh MLP on rank- and step-specific data (different ranks pull different ways)."""
+    gen = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randn(8, 5, generator=gen, dtype=DT)
+    y = torch.randn(8, 3, generator=gen, dtype=DT) + rank
+    w1, b1, w2, b2 = params
+    out = torch.tanh(x @ w1.t() + b1) @ w2.t() + b2
+    return (out - y).square().mean()
+
+
+def fill_grads(rank: int, step: int, params) -> None:
+    loss_of(params, rank, step).backward()
+
+
+def make_inner(name: str, params) -> torch.optim.Optimizer:
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+    return lo.AdamW(params, lr=0.02, weight_decay=0.01)  # one of ours
+
+
+def build_compressor(name: str | None):
+    return {None: None, "int8": Int8Quantizer(chunk=4), "int4": Int4Quantizer(chunk=5, rounding="stochastic", seed=3),
+            "onebit": "onebit", "topk": TopK(k=3), "powersgd": PowerSGDCompressor(rank=1), "sign": "sign"}[name]
+
+
+def build(name: str, params, group):
+    cfg = CONFIGS[name]
+    return DiLoCo(make_inner(cfg["inner"], params), **cfg["kw"], compressor=build_compressor(cfg.get("compressor")),
+                  process_group=group)
+
+
+@contextlib.contextmanager
+def counting_collectives():
+    """Every torch.distributed collective and point-to-point call counted (the functions patched meanwhile)."""
+    counter = {"calls": 0}
+    saved = {n: getattr(dist, n) for n in COLLECTIVES if hasattr(dist, n)}
+
+    def counted(fn):
+        def call(*args, **kwargs):
+            counter["calls"] += 1
+            return fn(*args, **kwargs)
+        return call
+
+    for n, fn in saved.items():
+        setattr(dist, n, counted(fn))
+    try:
+        yield counter
+    finally:
+        for n, fn in saved.items():
+            setattr(dist, n, fn)
+
+
+def _steps(opt, params, rank, steps, per_step=None, counter=None):
+    history = []
+    for t in steps:
+        calls, stats = (counter or {"calls": 0})["calls"], comm_stats().copy()
+        opt.zero_grad()
+        fill_grads(rank, t, params)
+        opt.step()
+        history.append([p.detach().clone() for p in params])
+        if per_step is not None:
+            per_step.append({"calls": counter["calls"] - calls, **(comm_stats() - stats).as_dict()})
+    return history
+
+
+def _run(name: str, rank: int, group) -> dict:
+    cfg = CONFIGS[name]
+    params = [p.requires_grad_() for p in init_params()]
+    before = comm_stats().copy()
+    opt = build(name, params, group)
+    construction = (comm_stats() - before).as_dict()
+    per_step: list[dict] = []
+    with counting_collectives() as counter:
+        history = _steps(opt, params, rank, range(1, STEPS + 1), per_step, counter)
+    # checkpoint mid-round in a second run, resumed in fresh objects
+    first = [p.requires_grad_() for p in init_params()]
+    opt1 = build(name, first, group)
+    _steps(opt1, first, rank, range(1, cfg["split"] + 1))
+    buf = io.BytesIO()
+    torch.save({"params": [p.detach() for p in first], "opt": opt1.state_dict()}, buf)
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=True)
+    second = [p.clone().requires_grad_() for p in saved["params"]]
+    opt2 = build(name, second, group)
+    opt2.load_state_dict(saved["opt"])
+    resumed = _steps(opt2, second, rank, range(cfg["split"] + 1, STEPS + 1))
+    syncs = [syncing_fragment(t, opt.sync_every, opt.fragments) for t in range(1, STEPS + 1)]
+    numels = [[p.numel() for p in params[lo:hi]] for lo, hi in opt.bounds]
+    predicted = [None if c is None else c.bytes_sent(n, opt._origin()[0]) for c, n in zip(opt.compressors, numels)]
+    return {"history": history, "resumed": resumed, "per_step": per_step, "construction": construction,
+            "syncs": syncs, "bounds": opt.bounds, "predicted": predicted,
+            "pending_saved": saved["opt"]["diloco"]["pending"] is not None,
+            "residuals": [None if e is None else e.clone() for e in opt.residuals]}
+
+
+def suite(rank: int, world: int) -> dict:
+    set_collective_timeout(30)
+    pair = dist.new_group([0, 1])
+    out: dict = {"runs": {}}
+    for name, cfg in CONFIGS.items():
+        if cfg.get("world", 3) == 3:
+            out["runs"][name] = _run(name, rank, None)
+        elif rank < 2:
+            out["runs"][name] = _run(name, rank, pair)
+    params = [p.requires_grad_() for p in init_params()]
+    inner = torch.optim.SGD(params, lr=0.1)
+    out["refused_on_one"] = error_text(lambda: DiLoCo(inner, sync_every=0 if rank == 2 else 3))
+    out["differs"] = error_text(lambda: DiLoCo(inner, sync_every=3 + (rank == 1)))
+    out["compressor_differs"] = error_text(lambda: DiLoCo(inner, sync_every=3, compressor="int8" if rank else None))
+    return out
+
+
+def dies_before_an_exchange(rank: int, world: int, bound: float, compressor: str | None = None, die_after: int = 2):
+    """The last rank exits mid-round after inner step ``die_after``: the others' next exchange (H = 3) must
+    raise naming it within ``bound`` (plus the roll call's grace for a blocking first-call agreement)."""
+    set_collective_timeout(bound)
+    params = [p.requires_grad_() for p in init_params()]
+    opt = DiLoCo(torch.optim.SGD(params, lr=0.05), sync_every=3, compressor=compressor)
+    for t in range(1, die_after + 1):
+        opt.zero_grad()
+        fill_grads(rank, t, params)
+        opt.step()
+    if rank == world - 1:
+        os._exit(0)  # dies without a word, mid-round
+    time.sleep(0.3)
+    for t in range(die_after + 1, 3 * (die_after // 3 + 1)):
+        opt.zero_grad()
+        fill_grads(rank, t, params)
+        opt.step()
+    opt.zero_grad()
+    fill_grads(rank, 3 * (die_after // 3 + 1), params)
+    start = time.monotonic()
+    try:
+        opt.step()  # the exchange
+    except CommunicationError as exc:
+        return ("CommunicationError", time.monotonic() - start, str(exc), getattr(exc, "failed_ranks", "unset"))
+    return ("no error", time.monotonic() - start, "", None)
