@@ -1,6 +1,7 @@
 """CUDA kernels vs torch on one GPU, side by side in one process (issue 13, item 6).
 
     python benchmarks/kernels_cuda.py            # needs a CUDA GPU and the extension built with CUDA
+    python benchmarks/kernels_cuda.py --json k.json   # also every row as JSON (gpu_check.sh's report reads it)
 
 Prints the GPU, its memory roof (torch's device-to-device copy of a 2 GB buffer: bytes read + written
 per second), then per case the median time of each contender over CUDA events (contenders timed
@@ -12,6 +13,7 @@ round-robin, one call each per round), the ratio to the first contender and the 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 
@@ -23,6 +25,7 @@ from lightning_optim.comm import pieces as passes
 from lightning_optim.comm.plan import plan_for
 
 GB = 1e9
+ROWS: list[dict] = []  # every printed row, for --json
 
 
 def gpu_timed(fns, repeat: int, warmup: int = 3) -> list[float]:
@@ -53,10 +56,12 @@ def roof(repeat: int) -> float:
     return 8 * 500_000_000 / t / GB
 
 
-def row(name: str, t: float, base: float | None, nbytes: float, top: float) -> None:
+def row(name: str, t: float, base: float | None, nbytes: float, top: float, case: str = "") -> None:
     ratio = f"{t / base:6.2f}x" if base else "   ref "
     bw = nbytes / t / GB
     print(f"  {name:46s} {1e3 * t:9.3f} ms  {ratio}  {bw:7.0f} GB/s ({100 * bw / top:3.0f}% roof)")
+    ROWS.append(dict(case=case, contender=name.strip(), ms=1e3 * t, ratio=t / base if base else 1.0,
+                     gbps=bw, roof_pct=100 * bw / top))
 
 
 def make(sizes, seed: int = 0):
@@ -94,7 +99,7 @@ def adamw_case(title: str, sizes, repeat: int, ext, top: float) -> None:
     ]
     times = gpu_timed([fn for _, fn in contenders], repeat)
     for i, ((name, _), t) in enumerate(zip(contenders, times)):
-        row(name, t, times[0] if i else None, 28 * total, top)
+        row(name, t, times[0] if i else None, 28 * total, top, case=title)
     os.environ.pop(ops.ENV_VAR, None)
 
 
@@ -131,12 +136,13 @@ def onebit_case(n: int, repeat: int, ext, top: float) -> None:
     ]
     times = gpu_timed([fn for _, fn, _ in contenders], repeat)
     for i, ((name, _, nbytes), t) in enumerate(zip(contenders, times)):
-        row(name, t, times[0] if i else None, nbytes, top)
+        row(name, t, times[0] if i else None, nbytes, top, case=f"1-bit, {n / 1e6:.0f}M fp32 values")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeat", type=int, default=25)
+    parser.add_argument("--json", default=None, help="also write the roof and every row to this file")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("kernels_cuda.py needs a CUDA GPU")
@@ -152,6 +158,9 @@ def main() -> None:
     adamw_case("AdamW, many small tensors", [(5_000,)] * 2000, args.repeat, ext, top)
     adamw_case("AdamW, GPT-2-small-like layout", gpt2_layout(), args.repeat, ext, top)
     onebit_case(200_000_000, args.repeat, ext, top)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(device=props.name, torch=torch.__version__, roof_gbps=top, rows=ROWS), f, indent=1)
 
 
 def gpt2_layout():

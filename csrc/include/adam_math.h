@@ -22,6 +22,8 @@ struct AdamHyper {
 template <typename P, typename G, typename C, bool AMSGRAD, bool KAHAN, bool APPLY>
 struct AdamOp {
   static constexpr int depth = 7;
+  using lists = ListAccess<Access<P, true, APPLY>, In<G>, InOut<float>, InOut<float>, UsedIf<AMSGRAD, InOut<float>>,
+                           UsedIf<KAHAN && APPLY, InOut<P>>, UsedIf<APPLY && !std::is_void<C>::value, Out<C>>>;
   struct Ptrs { P* p; const G* g; float* m; float* v; float* vmax; P* comp; C* copy; };
   AdamHyper h;
 
@@ -62,6 +64,7 @@ struct AdamOp {
 template <typename P, bool KAHAN>
 struct AdamFrozenOp {
   static constexpr int depth = 7;
+  using lists = ListAccess<InOut<P>, In<float>, Unused, In<float>, Unused, UsedIf<KAHAN, InOut<P>>, Unused>;
   struct Ptrs { P* p; const float* m; const float* v; P* comp; };
   AdamHyper h;
 

@@ -20,6 +20,8 @@ struct AdanHyper {
 template <typename P, typename G, bool KAHAN, bool APPLY>
 struct AdanOp {
   static constexpr int depth = 7;
+  using lists = ListAccess<Access<P, APPLY, APPLY>, In<G>, InOut<float>, InOut<float>, InOut<float>, InOut<float>,
+                           UsedIf<KAHAN && APPLY, InOut<P>>>;
   struct Ptrs { P* p; const G* g; float* m; float* n; float* v; float* prev; P* comp; };
   AdanHyper h;
 

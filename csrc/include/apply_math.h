@@ -9,6 +9,7 @@
 // the fp32 scalars equal those torch's foreach ops use. c = 0 leaves every finite value unchanged.
 #pragma once
 
+#include "list_access.h"
 #include "lo_common.h"
 
 namespace lo {

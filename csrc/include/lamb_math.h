@@ -30,6 +30,7 @@ template <typename P, typename G, bool NORMS>
 struct LambMomentsOp {
   static constexpr int depth = 4;
   static constexpr int n_acc = 2;
+  using lists = ListAccess<In<P>, In<G>, InOut<float>, InOut<float>>;
   struct Ptrs { P* p; const G* g; float* m; float* v; };
   LambHyper h;
 
@@ -57,6 +58,7 @@ struct LambMomentsOp {
 template <typename P, bool KAHAN>
 struct LambApplyOp {
   static constexpr int depth = 4;
+  using lists = ListAccess<InOut<P>, In<float>, In<float>, UsedIf<KAHAN, InOut<P>>>;
   struct Ptrs { P* p; const float* m; const float* v; P* comp; float scale; };
   LambHyper h;
 

@@ -20,6 +20,7 @@ template <typename P, typename G>
 struct LarsNormOp {
   static constexpr int depth = 2;
   static constexpr int n_acc = 2;
+  using lists = ListAccess<In<P>, In<G>>;
   struct Ptrs { const P* p; const G* g; };
   LarsHyper h;
 
@@ -39,6 +40,7 @@ struct LarsNormOp {
 template <typename P, typename G, bool MOMENTUM, bool KAHAN, bool APPLY>
 struct LarsOp {
   static constexpr int depth = 4;
+  using lists = ListAccess<Access<P, true, APPLY>, In<G>, UsedIf<MOMENTUM, InOut<float>>, UsedIf<KAHAN && APPLY, InOut<P>>>;
   struct Ptrs { P* p; const G* g; float* buf; P* comp; float scale; };
   LarsHyper h;
 

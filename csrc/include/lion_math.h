@@ -18,6 +18,7 @@ struct LionHyper {
 template <typename P, typename G, bool KAHAN, bool APPLY>
 struct LionOp {
   static constexpr int depth = 4;
+  using lists = ListAccess<Access<P, APPLY, APPLY>, In<G>, InOut<float>, UsedIf<KAHAN && APPLY, InOut<P>>>;
   struct Ptrs { P* p; const G* g; float* m; P* comp; };
   LionHyper h;
 

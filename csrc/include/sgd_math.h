@@ -20,6 +20,7 @@ struct SgdHyper {
 template <typename P, typename G, bool MOMENTUM, bool KAHAN, bool APPLY>
 struct SgdOp {
   static constexpr int depth = 4;
+  using lists = ListAccess<Access<P, true, APPLY>, In<G>, UsedIf<MOMENTUM, InOut<float>>, UsedIf<KAHAN && APPLY, InOut<P>>>;
   struct Ptrs { P* p; const G* g; float* buf; P* comp; };
   SgdHyper h;
 

@@ -22,6 +22,7 @@ template <typename G, bool RMS>
 struct StableMomentsOp {
   static constexpr int depth = 4;
   static constexpr int n_acc = 1;
+  using lists = ListAccess<Unused, In<G>, InOut<float>, InOut<float>>;
   struct Ptrs { const G* g; float* m; float* v; };
   StableHyper h;
 
@@ -46,6 +47,7 @@ struct StableMomentsOp {
 template <typename P, bool KAHAN>
 struct StableApplyOp {
   static constexpr int depth = 4;
+  using lists = ListAccess<InOut<P>, In<float>, In<float>, UsedIf<KAHAN, InOut<P>>>;
   struct Ptrs { P* p; const float* m; const float* v; P* comp; float scale; Decay decay; };
   StableHyper h;
 
