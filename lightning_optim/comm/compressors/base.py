@@ -121,6 +121,22 @@ class LocalCompressor(Compressor):
                  stats: CommStats | None = None) -> list[Tensor]:
         """Every rank's messages combined, one dense 1-D aggregate per payload (mean or sum)."""
 
+    def compress_all(self, tensors: Sequence[Tensor], residuals: Sequence[Tensor] | None) -> list[Any]:
+        """This rank's message per tensor; with ``residuals``, error feedback: compress ``t + e`` and keep in
+        ``e`` what the message lost (``e <- (t + e) - decompress(message)``)."""
+        payloads = []
+        for i, t in enumerate(tensors):
+            flat = t.detach().reshape(-1)
+            if residuals is None:
+                payloads.append(self.compress(flat))
+                continue
+            e = residuals[i].view(-1)
+            corrected = compensate(flat, e)
+            payload = self.compress(corrected)
+            absorb_(e, corrected, self.decompress(payload))
+            payloads.append(payload)
+        return payloads
+
     def reduce(self, tensors: Sequence[Tensor], residuals: Sequence[Tensor] | None = None, *, group=None,
                average: bool = True, stats: CommStats | None = None) -> list[Tensor]:
         tensors, residuals = check_reduce_args(tensors, residuals, group, average)
@@ -132,18 +148,7 @@ class LocalCompressor(Compressor):
             error = exc
         # before any residual moves: every rank agrees on the call (or raises)
         agree_layout(self, self.agreement_fields(tensors), group, tensors, error)
-        payloads = []
-        for i, t in enumerate(tensors):
-            flat = t.reshape(-1)
-            if residuals is None:
-                payloads.append(self.compress(flat))
-                continue
-            e = residuals[i].view(-1)
-            corrected = compensate(flat, e)
-            payload = self.compress(corrected)
-            absorb_(e, corrected, self.decompress(payload))
-            payloads.append(payload)
-        out = self.exchange(payloads, group=group, average=average, stats=stats)
+        out = self.exchange(self.compress_all(tensors, residuals), group=group, average=average, stats=stats)
         return [o.view(t.shape).to(t.dtype) for o, t in zip(out, tensors)]
 
 

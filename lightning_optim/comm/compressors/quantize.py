@@ -44,7 +44,6 @@ from ..dense import world_size
 from ..pending import PendingCollective, start_collective
 from ..stats import CommStats
 from .base import LocalCompressor, agree_layout, check_reduce_args, group_rank, stats_or_default
-from .feedback import absorb_, compensate
 
 __all__ = ["Int4Quantizer", "Int8Quantizer", "QuantizedPayload", "Quantizer", "PendingQuantized", "ROUNDINGS"]
 
@@ -141,18 +140,8 @@ class Quantizer(LocalCompressor):
         """``reduce`` with the all-gather left in flight: ``.wait()`` returns what ``reduce`` would."""
         tensors, residuals = check_reduce_args(tensors, residuals, group, average)
         agree_layout(self, self.agreement_fields(tensors), group, tensors)
-        payloads = []
-        for i, t in enumerate(tensors):
-            flat = t.detach().reshape(-1)
-            if residuals is None:
-                payloads.append(self.compress(flat))
-                continue
-            e = residuals[i].view(-1)
-            corrected = compensate(flat, e)
-            payload = self.compress(corrected)
-            absorb_(e, corrected, self.decompress(payload))
-            payloads.append(payload)
-        return self.start_exchange(payloads, group=group, average=average, stats=stats, like=tensors)
+        return self.start_exchange(self.compress_all(tensors, residuals), group=group, average=average, stats=stats,
+                                   like=tensors)
 
     def reduce(self, tensors: Sequence[Tensor], residuals: Sequence[Tensor] | None = None, *, group=None,
                average: bool = True, stats: CommStats | None = None) -> list[Tensor]:
