@@ -37,6 +37,7 @@ import math
 import numbers
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from lightning_optim.comm.dense import world_size
@@ -135,7 +136,8 @@ class AutoFreezeMixin:
 
     def _variance_norm(self, t: int) -> float:
         """:math:`n_t` of the module doc, the same on every rank."""
-        squares = self._flat("exp_avg_sq").double().square().sum().reshape(1)
+        flat = self._flat("exp_avg_sq")  # no float64 copy of the whole state: a dot product, then one float64
+        squares = torch.dot(flat, flat).double().reshape(1)
         group = self.freeze_vote_group if self.freeze_vote_group is not None else self.process_group
         ranks = world_size(group)
         if ranks > 1:
