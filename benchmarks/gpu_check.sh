@@ -28,6 +28,13 @@ export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 PY="${PYTHON:-python3}"
 PYTEST_TIMEOUT=120  # seconds per test
 
+# The device image has torch, Lightning, Accelerate and transformers but not Hydra, which tests/conftest.py
+# imports: wheels carried in .whl/ (see docs/benchmarks.md "On a CUDA GPU") go into a private target first.
+if compgen -G "$ROOT/.whl/*.whl" >/dev/null; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$WORK/site" "$ROOT"/.whl/*.whl \
+    && export PYTHONPATH="$PYTHONPATH:$WORK/site"
+fi
+
 say() { echo "[gpu_check $((SECONDS - STARTED))s] $*" | tee -a "$LOG"; }
 
 # step NAME LIMIT CMD...: run under timeout, output to WORK/NAME.log, one line in steps.tsv.

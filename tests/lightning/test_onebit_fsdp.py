@@ -13,6 +13,13 @@ import torch
 from tests.distributed import run_workers
 from tests.lightning.fsdp_workers import EPOCH, FREEZE, STEPS, ZERO_ONE_EPOCH, suite
 
+from lightning_optim.onebit.fsdp_grads import missing_fsdp2_api
+
+# torch 2.11 (the GPU image) lacks FSDP2 methods that onebit_fsdp needs, and onebit_fsdp refuses there by
+# name; these tests run where torch has them (CI's 2.13).
+pytestmark = pytest.mark.skipif(bool(missing_fsdp2_api()),
+                                reason=f"torch {torch.__version__} lacks FSDP2's {missing_fsdp2_api()}")
+
 WORLD = 4
 
 

@@ -28,6 +28,13 @@ from tests.reference.onebit_adam import RefOnebitAdam
 from tests.reference.sharded_onebit import ShardedReference, shard_rows
 from tests.reference.zero_one_adam import RefZeroOneAdam
 
+from lightning_optim.onebit.fsdp_grads import missing_fsdp2_api
+
+# torch 2.11 (the GPU image) lacks FSDP2 methods that onebit_fsdp needs, and onebit_fsdp refuses there by
+# name; these tests run where torch has them (CI's 2.13).
+pytestmark = pytest.mark.skipif(bool(missing_fsdp2_api()),
+                                reason=f"torch {torch.__version__} lacks FSDP2's {missing_fsdp2_api()}")
+
 WORLD = REPLICAS * SHARDS
 TOL = 1e-5  # fp32 round-off of equivalent formulas; a flipped 1-bit sign moves a param by ~lr
 REFS = {"adam": RefOnebitAdam, "adam_auto": RefOnebitAdam, "zoadam": RefZeroOneAdam}

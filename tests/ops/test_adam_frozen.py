@@ -32,8 +32,18 @@ def test_frozen_update_equals_the_full_kernel_with_beta1_0_beta2_1(backend, dtyp
     ext.adam_frozen(params=p1, momenta=m1, exp_avg_sqs=v1, kahan_comps=c1, **HYPER)
     ext.adam(p2, [m.clone() for m in m2], m2, v2, [], c2, [], 1.0, 1.0, 0.0, HYPER["step"], HYPER["sqrt_bc2"],
              HYPER["eps"], 0.0, HYPER["keep"], HYPER["neg_decay"], True)
-    for a, b in zip(p1 + c1 + m1 + v1, p2 + c2 + m2 + v2):
-        assert torch.equal(a, b)
+    if device == "cpu":
+        for a, b in zip(p1 + c1 + m1 + v1, p2 + c2 + m2 + v2):
+            assert torch.equal(a, b)
+    else:  # nvcc fuses multiply-adds differently in the two kernels: the fp32 update differs in its last
+        # bits, which a Kahan pair p + c keeps (H100, bf16: 7.5e-9 on a pair of 3.8e-5, the comp 16 of its own
+        # ulps off): the pairs must agree to fp32 rounding of the tensor's scale, the rest to an ulp
+        for a, b in zip(p1 + m1 + v1, p2 + m2 + v2):
+            torch.testing.assert_close(a, b, rtol=torch.finfo(a.dtype).eps, atol=0)
+        for a, ca, b, cb in zip(p1, c1, p2, c2):
+            scale = b.float().abs().max().item()
+            torch.testing.assert_close(a.float() + ca.float(), b.float() + cb.float(), rtol=0,
+                                       atol=4 * torch.finfo(torch.float32).eps * scale)
     assert not torch.equal(p1[0], lists(dtype, device, kahan)[0][0])  # the params did move
 
 

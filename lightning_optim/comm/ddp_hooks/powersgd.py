@@ -75,6 +75,9 @@ from ..agreement import agree, fingerprint
 from ..stats import CommStats, ring_allreduce_bytes
 from ..timeouts import collective_timeout
 from ._bucket import HookState, bounded, stats_lock
+from ._cpu_buckets_on_cuda_hosts import let_cpu_buckets_through
+
+let_cpu_buckets_through(torch_powersgd)
 
 __all__ = ["PowerSGDHookState", "powersgd_hook"]
 
