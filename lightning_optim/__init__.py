@@ -64,6 +64,7 @@ if TYPE_CHECKING:  # the same names for type checkers and IDEs; tests/test_catal
     )
     from lightning_optim.lightning import (
         DecentralizedStrategy,
+        DiLoCoStrategy,
         FP16CompressStrategy,
         OnebitAdamStrategy,
         OnebitFSDPStrategy,
@@ -71,6 +72,7 @@ if TYPE_CHECKING:  # the same names for type checkers and IDEs; tests/test_catal
         PowerSGDStrategy,
         RandomKStrategy,
         SignSGDStrategy,
+        StreamingDiLoCoStrategy,
         TopKStrategy,
         ZeroOneAdamStrategy,
     )

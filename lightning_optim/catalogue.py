@@ -111,6 +111,12 @@ STRATEGIES: dict[str, StrategyEntry] = {e.name: e for e in (
                   "(ring, torus, exponential, explicit)"),
     StrategyEntry("fp16_compress", "FP16CompressStrategy",
                   "DDP + torch's fp16_compress_hook on every device (lightning_optim): buckets averaged in fp16"),
+    StrategyEntry("diloco", "DiLoCoStrategy",
+                  "DiLoCo (lightning_optim): local steps of any optimizer, an outer Nesterov step on the averaged "
+                  "parameter change every sync_every steps; no gradient all-reduce"),
+    StrategyEntry("streaming_diloco", "StreamingDiLoCoStrategy",
+                  "Streaming DiLoCo (lightning_optim): DiLoCo in fragments, one synchronised every "
+                  "sync_every/fragments steps, overlapped with the next step"),
     StrategyEntry("onebit_fsdp", "OnebitFSDPStrategy",
                   "HSDP (FSDP2 on a replicate x shard mesh) + 1-bit Adam across the replicas (lightning_optim): "
                   "HSDP's fp32 all-reduce in warmup, then the 1-bit compressed momentum exchange", "onebit_adam",

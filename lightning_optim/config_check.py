@@ -348,7 +348,9 @@ def _strategy_conflicts(cfg: dict[str, Any], built: _Built) -> None:
     from lightning_optim.lightning._comm_hook_strategies import _CommHookStrategyMixin, _communicates_itself
 
     strategy = built.strategy
-    if cfg["strategy"].get("overlap") and cfg["trainer"].get("gradient_clip_val"):
+    # (DiLoCo's overlap is of its exchange with the next step: clipping the local gradients is untouched)
+    if isinstance(strategy, _OnebitStrategyMixin) and cfg["strategy"].get("overlap") and cfg["trainer"].get(
+            "gradient_clip_val"):
         raise ConfigError("strategy.overlap: true steps the momentum during backward, before "
                           "trainer.gradient_clip_val could clip; add trainer.gradient_clip_val=null or drop overlap")
     scaler_refused = isinstance(strategy, _OnebitStrategyMixin) or getattr(strategy, "_refuses_grad_scaler", False)

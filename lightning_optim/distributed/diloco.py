@@ -86,7 +86,7 @@ from .diloco_schedule import fragment_bounds, outer_step_, pseudo_gradients, syn
 from .diloco_state import check_section
 from .loading import check_local_state_dict
 
-__all__ = ["DiLoCo"]
+__all__ = ["DiLoCo", "check_diloco_arguments"]
 
 ARGUMENTS = ("inner", "params", "sync_every", "fragments", "outer_lr", "outer_momentum", "nesterov", "overlap",
              "mixing", "compressor")
@@ -116,14 +116,23 @@ def _check_inner(inner: object) -> list[Tensor]:
 
 def _check_settings(params: list[Tensor], sync_every: object, fragments: object, outer_lr: object,
                     outer_momentum: object, nesterov: object, overlap: object, mixing: object) -> dict[str, Any]:
+    settings = check_diloco_arguments(sync_every, fragments, outer_lr, outer_momentum, nesterov, overlap, mixing)
+    if settings["fragments"] > len(params):
+        raise ValueError(f"fragments must be in [1, {len(params)}] (the inner optimizer's {len(params)} params, one "
+                         f"at least per fragment), got {settings['fragments']}")
+    return settings
+
+
+def check_diloco_arguments(sync_every: object, fragments: object = 1, outer_lr: object = 0.7,
+                           outer_momentum: object = 0.9, nesterov: object = True, overlap: object = False,
+                           mixing: object = None) -> dict[str, Any]:
+    """The checks of :class:`DiLoCo`'s arguments that need no params (for adapters that wrap an optimizer
+    later): the settings with ``mixing`` resolved, or ``TypeError``/``ValueError`` naming the argument."""
     sync_every = check_int("sync_every", sync_every, 1)
     fragments = check_int("fragments", fragments, 1)
     if fragments > sync_every or sync_every % fragments:
         raise ValueError(f"fragments must divide sync_every={sync_every} (one fragment every sync_every/fragments "
                          f"steps), so lie in [1, {sync_every}], got {fragments}")
-    if fragments > len(params):
-        raise ValueError(f"fragments must be in [1, {len(params)}] (the inner optimizer's {len(params)} params, one "
-                         f"at least per fragment), got {fragments}")
     outer_lr = check_positive("outer_lr", outer_lr)
     outer_momentum = check_unit_interval("outer_momentum", outer_momentum)
     check_flag("nesterov", nesterov)

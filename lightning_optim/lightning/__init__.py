@@ -8,6 +8,8 @@
   :class:`DecentralizedStrategy`, :class:`FP16CompressStrategy` (``strategies.py``, mixins in
   ``_comm_hook_strategies.py``): DDP with one of :mod:`lightning_optim.comm.ddp_hooks` on every device,
   registered as ``"powersgd"``, ``"topk"``, ``"randomk"``, ``"signsgd"``, ``"decentralized"``, ``"fp16_compress"``.
+* :class:`DiLoCoStrategy`, :class:`StreamingDiLoCoStrategy` (``_diloco.py``), ``"diloco"``,
+  ``"streaming_diloco"``: the optimizer wrapped in :class:`lightning_optim.DiLoCo`, no gradient all-reduce.
 * :class:`OnebitFSDPStrategy` (``_fsdp.py``), ``"onebit_fsdp"``: Lightning's FSDP2 strategy on a
   (replicate, shard) mesh with 1-bit Adam across the replicas (:func:`lightning_optim.onebit.onebit_fsdp`).
 * :class:`CommTelemetry` (``callbacks.py``): ``comm/*`` metrics per step; :class:`ConsensusTelemetry`:
@@ -26,7 +28,7 @@ from typing import Any
 
 __all__ = ["OnebitAdamStrategy", "ZeroOneAdamStrategy", "OnebitLambStrategy", "PowerSGDStrategy", "TopKStrategy",
            "RandomKStrategy", "SignSGDStrategy", "DecentralizedStrategy", "FP16CompressStrategy", "OnebitFSDPStrategy",
-           "CommTelemetry", "ConsensusTelemetry",
+           "DiLoCoStrategy", "StreamingDiLoCoStrategy", "CommTelemetry", "ConsensusTelemetry",
            "to_onebit", "MasterWeightsPrecision", "KahanPrecision", "GradientRelease"]
 
 _WHERE = {
@@ -40,6 +42,8 @@ _WHERE = {
     "FP16CompressStrategy": "strategies",
     "DecentralizedStrategy": "strategies",
     "OnebitFSDPStrategy": "strategies",
+    "DiLoCoStrategy": "strategies",
+    "StreamingDiLoCoStrategy": "strategies",
     "ConsensusTelemetry": "strategies",
     "CommTelemetry": "callbacks",
     "to_onebit": "convert",

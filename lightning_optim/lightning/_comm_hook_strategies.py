@@ -59,6 +59,8 @@ class _CommHookStrategyMixin(_ByteCountingMixin, _AfterStepMixin, _HookCheckpoin
     hook_name: ClassVar[str]
     telemetry_callback_class: ClassVar[type]  # set by the package-specific module
     _refuses_grad_scaler: ClassVar[bool] = True  # error feedback would keep loss-scaled (or inf) residuals
+    _grad_scaler_refusal: ClassVar[str] = ("scales the gradients the hook compresses, so its error feedback would keep "
+                                           "loss-scaled residuals (and an overflow would poison them for good)")
 
     def __init__(self, *, hook_kwargs: dict[str, Any], timeout: float | timedelta = DEFAULT_TIMEOUT_S,
                  telemetry: bool = True, **kwargs: Any) -> None:
@@ -99,9 +101,8 @@ class _CommHookStrategyMixin(_ByteCountingMixin, _AfterStepMixin, _HookCheckpoin
             raise ValueError(f"{name}: GradientRelease steps inside its own DDP comm hook, and torch allows one per "
                              f"model; this strategy's is {self.hook_name!r}. Use DDPStrategy for gradient release")
         if self._refuses_grad_scaler and getattr(self.precision_plugin, "scaler", None) is not None:
-            raise ValueError(f"{name}: precision='16-mixed' scales the gradients the hook compresses, so its error "
-                             "feedback would keep loss-scaled residuals (and an overflow would poison them for good); "
-                             "use precision='bf16-mixed' or '32-true'")
+            raise ValueError(f"{name}: precision='16-mixed' {self._grad_scaler_refusal}; use precision='bf16-mixed' "
+                             "or '32-true'")
         if fitting and self._telemetry:
             for cls in self._telemetry_callbacks():
                 if not any(isinstance(cb, cls) for cb in trainer.callbacks):

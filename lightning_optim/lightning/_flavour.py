@@ -16,6 +16,7 @@ from lightning_optim.lightning._comm_hook_strategies import (
     _SignSGDMixin,
     _TopKMixin,
 )
+from lightning_optim.lightning._diloco import _DiLoCoMixin, _StreamingDiLoCoMixin
 from lightning_optim.lightning._fsdp import _OnebitFSDPMixin
 
 __all__ = ["MIXINS", "build"]
@@ -26,6 +27,7 @@ MIXINS: dict[str, type] = {
     "OnebitLambStrategy": _OnebitLambMixin, "PowerSGDStrategy": _PowerSGDMixin, "TopKStrategy": _TopKMixin,
     "RandomKStrategy": _RandomKMixin, "SignSGDStrategy": _SignSGDMixin, "FP16CompressStrategy": _FP16CompressMixin,
     "DecentralizedStrategy": _DecentralizedMixin, "OnebitFSDPStrategy": _OnebitFSDPMixin,
+    "DiLoCoStrategy": _DiLoCoMixin, "StreamingDiLoCoStrategy": _StreamingDiLoCoMixin,
 }
 
 

@@ -40,6 +40,14 @@ in the same ``<checkpoint>.rank<r>.pt`` files, and the same ``timeout``/``teleme
 ``decentralized``  ``DecentralizedStrategy``   local gradients, gossip of the params after each step
 =================  ==========================  ==================================================
 
+The DiLoCo strategies wrap the (local) optimizer in :class:`lightning_optim.DiLoCo` over the ``"local"``
+hook (no gradient all-reduce); each rank's params and optimizer state go into its own checkpoint file:
+
+====================  ============================  ===============================================
+``diloco``            ``DiLoCoStrategy``            outer Nesterov step every ``sync_every`` steps
+``streaming_diloco``  ``StreamingDiLoCoStrategy``   the same in fragments, overlapped (4, True)
+====================  ============================  ===============================================
+
 See docs/distributed.md.
 """
 

@@ -35,3 +35,24 @@ def test_hung_rank_stops_the_job_within_the_timeout(tmp_path):
     assert f"timeout of {TIMEOUT}s" in err
     assert f"bound of {TIMEOUT}s" in err or "Timed out" in err, err[-3000:]
     assert elapsed < 120, f"took {elapsed:.0f}s"  # start-up + 20 s, not the 30-minute default
+
+
+def test_a_rank_hung_before_a_diloco_exchange_is_named_by_the_others(tmp_path):
+    start = time.monotonic()
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), "--strategy", "diloco", "--mode", "hang", "--at-step", "3",
+                             "--timeout", TIMEOUT], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    try:
+        _, err = proc.communicate(timeout=150)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    elapsed = time.monotonic() - start
+    assert proc.returncode != 0
+    assert "rank 1: stops answering at step 3" in err
+    assert "CommunicationError: DiLoCo exchange of fragment 0 after inner step 3 failed on rank 0: rank 1 failed" in err, \
+        err[-3000:]
+    assert "[rank 0] DiLoCoStrategy: a collective failed" in err, err[-3000:]
+    assert elapsed < 120, f"took {elapsed:.0f}s"

@@ -99,6 +99,15 @@ def test_cli_gradient_release_on_the_default_config_with_bf16_kahan(tmp_path: Pa
     assert all(line in job_log for line in notes) and "lightning-optim run summary" in job_log
 
 
+def test_cli_diloco_sends_one_all_reduce_per_sync_every_steps(tmp_path: Path):
+    """strategy=diloco strategy.sync_every=4: no DDP all-reduce; 2 exchanges of the whole model in 8 steps."""
+    result, summary, _ = _run_job(tmp_path, "strategy=diloco", "strategy.sync_every=4")
+    comm = summary["comm"]
+    assert comm["hook"] == "local" and comm["sync_every"] == 4 and comm["steps_without_ddp_allreduce"] == 8
+    assert comm["compression_ratio"] == 4.0  # the fp32 ring all-reduce once per 4 steps instead of every step
+    assert "(4.0x less; 8 of 8 steps without DDP's fp32 allreduce)" in result.stdout
+
+
 def test_cli_onebit_fsdp_runs_hsdp_with_1bit_across_replicas(tmp_path: Path):
     """strategy=onebit_fsdp: 4 processes as 2 replicas x 2 shards; HSDP's fp32 all-reduce, then 1-bit."""
     result, summary, _ = _run_job(tmp_path, "strategy=onebit_fsdp", "strategy.freeze_step=4", world=4)

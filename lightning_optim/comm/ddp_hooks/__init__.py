@@ -14,6 +14,7 @@ name               state (arguments)           per bucket
 ``"signsgd"``      ``SignSGDHookState``        scaled sign (EF-SignSGD) or majority vote
 ``"powersgd"``     ``PowerSGDHookState``       torch's ``powerSGD_hook`` (counted, layout-safe)
 ``"decentralized"`` ``DecentralizedHookState``  nothing: local gradients; gossip after the step
+``"local"``        ``LocalHookState``          nothing: local gradients (DiLoCo syncs the params)
 ``"fp16_compress"`` ``FP16CompressHookState``  torch's ``fp16_compress_hook`` (counted, bounded)
 =================  ==========================  ===============================================
 
@@ -31,8 +32,9 @@ from torch import nn
 
 from ._bucket import HookState, ParamNames
 from .compressed import CompressionHookState, RandomKHookState, SignSGDHookState, TopKHookState, compression_hook
-from .decentralized import DecentralizedHookState, local_gradient_hook
+from .decentralized import DecentralizedHookState
 from .fp16 import FP16CompressHookState, fp16_compress_hook
+from .local import LocalHookState, local_gradient_hook
 from .powersgd import PowerSGDHookState, powersgd_hook
 from .release import ReleaseHookState, register_ddp_release, release_hook
 
@@ -46,6 +48,7 @@ __all__ = [
     "SignSGDHookState",
     "PowerSGDHookState",
     "DecentralizedHookState",
+    "LocalHookState",
     "FP16CompressHookState",
     "compression_hook",
     "powersgd_hook",
@@ -66,6 +69,7 @@ HOOKS: dict[str, tuple[type[HookState], Callable]] = {
     "powersgd": (PowerSGDHookState, powersgd_hook),
     "decentralized": (DecentralizedHookState, local_gradient_hook),
     "fp16_compress": (FP16CompressHookState, fp16_compress_hook),
+    "local": (LocalHookState, local_gradient_hook),
 }
 
 

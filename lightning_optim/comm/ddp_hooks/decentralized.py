@@ -42,7 +42,8 @@ from lightning_optim.optim.validation import check_flag, check_int
 from ..gossip import Topology, agree_topology, consensus_distance, gossip_average
 from ..stats import CommStats
 from ..topology import WEIGHTS
-from ._bucket import HookState, done
+from ._bucket import HookState
+from .local import local_gradient_hook
 
 __all__ = ["DecentralizedHookState", "check_neighbors", "local_gradient_hook"]
 
@@ -127,9 +128,3 @@ class DecentralizedHookState(HookState):
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         state = self._check_stamp(state)
         self.steps = check_int("state['steps']", state.get("steps"), 0)
-
-
-def local_gradient_hook(state: DecentralizedHookState, bucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP comm hook: the bucket unreduced (this rank's own gradients; nothing is sent)."""
-    state.buckets_local += 1
-    return done(bucket.buffer())
