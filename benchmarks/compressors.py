@@ -53,13 +53,18 @@ def configs(steps: int) -> dict[str, list[str]]:
         "1-bit Adam": ["strategy=onebit_adam", f"strategy.freeze_step={freeze}"],
         "0/1 Adam": ["strategy=zero_one_adam", f"strategy.var_freeze_step={freeze}"],
         "decentralized ring": ["strategy=decentralized", "strategy.neighbors=ring", "strategy.consensus_every=0"],
+        # DiLoCo (issue 23): the same AdamW as the inner optimizer, an outer Nesterov step every 50 steps
+        "DiLoCo H=50": ["strategy=diloco", "strategy.sync_every=50"],
+        "DiLoCo H=100": ["strategy=diloco", "strategy.sync_every=100"],
+        "DiLoCo H=50 1-bit": ["strategy=diloco", "strategy.sync_every=50", "strategy.compressor=onebit"],
+        "Streaming DiLoCo H=100 F=4": ["strategy=streaming_diloco", "strategy.sync_every=100", "strategy.fragments=4"],
     }
 
 
 def common_overrides(steps: int, model: str = "tiny") -> list[str]:
     return [f"model={model}", f"trainer.max_steps={steps}", f"trainer.val_check_interval={max(1, steps // 10)}",
             "trainer.enable_progress_bar=false", "trainer.enable_checkpointing=false", "trainer.devices=2",
-            "trainer.accelerator=cpu", "trainer.log_every_n_steps=10"]
+            "trainer.accelerator=cpu", "trainer.log_every_n_steps=1"]
 
 
 # ----------------------------------------------------------------------------- rank side
@@ -82,7 +87,8 @@ def worker(args) -> None:
     before = comm_stats().copy()
     summary = run(cfg, Path(args.run_dir))
     sent = comm_stats() - before
-    result = {"median_step_s": summary["median_step_s"], "final_val_loss": summary["final_val_loss"],
+    result = {"median_step_s": summary["median_step_s"], "train_seconds": summary["train_seconds"],
+              "step_seconds": summary["step_seconds"], "final_val_loss": summary["final_val_loss"],
               "steps": summary["steps"], "payload_bytes": sent.bytes_sent, "fp32_bytes": sent.fp32_equivalent_bytes,
               "num_params": summary["num_params"], "wall_time_s": summary["wall_time_s"]}
     Path(args.run_dir, f"rank{args.rank}.json").write_text(json.dumps(result))
@@ -117,12 +123,51 @@ def _launch(args, label: str, overrides: list[str], addr: str, prefixes, envs, r
     ranks = [json.loads((run_dir / f"rank{r}.json").read_text()) for r in range(2)]
     wire = [a - b for a, b in zip(tx_after, tx_before)] if None not in tx_before + tx_after else None
     return {"label": label, "overrides": overrides, "ranks": ranks, "wire_bytes": wire,
-            "val_curve": _val_curve(run_dir / "metrics.csv")}
+            "val_curve": _val_curve(run_dir / "metrics.csv"), "step_bytes": _step_bytes(run_dir / "metrics.csv")}
 
 
 def _val_curve(path: Path) -> list[tuple[int, float]]:
     with open(path, newline="") as f:
         return [(int(row["step"]), float(row["val_loss"])) for row in csv.DictReader(f) if row.get("val_loss")]
+
+
+def _step_bytes(path: Path) -> dict[int, float]:
+    """Rank 0's counted bytes per step (the strategies' telemetry; empty for plain DDP)."""
+    with open(path, newline="") as f:
+        return {int(row["step"]): float(row["comm/bytes_sent"]) for row in csv.DictReader(f)
+                if row.get("comm/bytes_sent")}
+
+
+def _cumulative(r: dict, step: int, per_step_fp32: float) -> float:
+    """Bytes rank 0 sent up to ``step``."""
+    if not r["step_bytes"]:
+        return step * per_step_fp32
+    return sum(b for s, b in r["step_bytes"].items() if s < step)  # logged at the step index after the step
+
+
+def plot(rows: list[dict], results: list[dict], path: Path, per_step_fp32: float) -> None:
+    """Validation loss against bytes sent and against training time, one line per method."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_bytes, ax_time) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for row, r in zip(rows, results):
+        curve = r["val_curve"]
+        mean_step = row["mean_step_ms"] / 1e3
+        ax_bytes.plot([max(_cumulative(r, s, per_step_fp32), 1e3) / 1e6 for s, _ in curve], [v for _, v in curve],
+                      marker=".", label=row["label"])
+        ax_time.plot([s * mean_step for s, _ in curve], [v for _, v in curve], marker=".", label=row["label"])
+    ax_bytes.set_xscale("log")
+    ax_bytes.set_xlabel("MB sent per rank (log)")
+    ax_time.set_xlabel("training time, s (mean step x steps)")
+    for ax in (ax_bytes, ax_time):
+        ax.set_ylabel("validation loss")
+        ax.grid(alpha=0.3)
+    ax_time.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def report(args, results: list[dict], where: str) -> dict:
@@ -133,28 +178,39 @@ def report(args, results: list[dict], where: str) -> dict:
           f"{args.threads} thread(s) each, {results[0]['ranks'][0]['num_params'] / 1e6:.2f}M params")
     print(f"machine: {facts['cpu']}, {facts['cores']} cores, torch {facts['torch']}, python {facts['python']};"
           f" load average at the end: {facts['loadavg_1_5_15min']}")
-    print("| strategy | payload MB/rank (comm_stats) | wire MB/rank (veth) | median step ms | final val loss "
-          "| vs fp32 DDP | time to fp32 loss +2% |")
-    print("|---|---|---|---|---|---|---|")
+    print("| strategy | payload MB/rank (comm_stats) | x fewer than DDP | wire MB/rank (veth) | peak MB in a step "
+          "| median / mean / slowest step ms | final val loss | vs fp32 DDP | time to fp32 loss +2% |")
+    print("|---|---|---|---|---|---|---|---|---|")
     rows = []
+    per_step_fp32 = 4 * results[0]["ranks"][0]["num_params"]  # the ring all-reduce on 2 ranks: 2 (W-1)/W x 4 B
+    ddp_payload = results[0]["ranks"][0]["steps"] * per_step_fp32 / 1e6
     for r in results:
         step_s = max(rank["median_step_s"] for rank in r["ranks"])
+        mean_s = max(rank["train_seconds"] / max(rank["steps"], 1) for rank in r["ranks"])
+        slowest_s = max(max(rank["step_seconds"]) for rank in r["ranks"])
         payload = max(rank["payload_bytes"] for rank in r["ranks"]) / 1e6
         nominal = r["label"] == "fp32 DDP"  # Lightning's own DDP allreduce: the ring rule, not a counter
         if nominal:
-            payload = r["ranks"][0]["steps"] * 4 * r["ranks"][0]["num_params"] * 2 * (2 - 1) / 2 / 1e6
+            payload = ddp_payload
+        peak = max(r["step_bytes"].values()) / 1e6 if r["step_bytes"] else per_step_fp32 / 1e6
         wire = max(r["wire_bytes"]) / 1e6 if r["wire_bytes"] else None
         loss = r["ranks"][0]["final_val_loss"]
         reached = next((step for step, v in r["val_curve"] if target is not None and v <= target), None)
-        to_loss = None if reached is None else reached * step_s
+        to_loss = None if reached is None else reached * mean_s  # the exchanges' cost spread over the steps
         rel = (loss / base["ranks"][0]["final_val_loss"] - 1) * 100 if base else None
-        rows.append({"label": r["label"], "payload_mb": payload, "wire_mb": wire, "median_step_ms": step_s * 1e3,
-                     "final_val_loss": loss, "vs_fp32_pct": rel, "time_to_loss_s": to_loss,
+        rows.append({"label": r["label"], "payload_mb": payload, "fewer_x": ddp_payload / payload if payload else None,
+                     "wire_mb": wire, "peak_step_mb": peak, "median_step_ms": step_s * 1e3,
+                     "mean_step_ms": mean_s * 1e3, "slowest_step_ms": slowest_s * 1e3, "final_val_loss": loss,
+                     "vs_fp32_pct": rel, "time_to_loss_s": to_loss, "reached_step": reached,
                      "overrides": r["overrides"]})
         wire_text = "-" if wire is None else f"{wire:.1f}"
-        print(f"| {r['label']} | {'~' if nominal else ''}{payload:.1f} | {wire_text} | {step_s * 1e3:.1f} "
+        fewer = "-" if not payload else f"{ddp_payload / payload:.0f}x"
+        print(f"| {r['label']} | {'~' if nominal else ''}{payload:.2f} | {fewer} | {wire_text} | {peak:.2f} "
+              f"| {step_s * 1e3:.0f} / {mean_s * 1e3:.0f} / {slowest_s * 1e3:.0f} "
               f"| {loss:.4f} | {'-' if rel is None else f'{rel:+.2f}%'} | "
               f"{'-' if to_loss is None else f'{to_loss:.1f} s (step {reached})'} |")
+    if args.out:
+        plot(rows, results, Path(args.out) / "loss_vs_bytes_and_time.png", per_step_fp32)
     out = {"where": where, "steps": args.steps, "model": args.model, "machine": facts, "rows": rows}
     print("JSON " + json.dumps(out))
     return out

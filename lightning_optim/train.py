@@ -251,6 +251,8 @@ def run(config: DictConfig, output_dir: Path, overrides: Sequence[str] | None = 
         "tokens": model.tokens_seen,
         "train_tokens_per_sec": model.tokens_seen / max(meter.seconds, 1e-9),
         "median_step_s": statistics.median(meter.step_seconds) if meter.step_seconds else None,
+        "train_seconds": meter.seconds,  # the training batches' wall time, validation left out
+        "step_seconds": [round(s, 4) for s in meter.step_seconds],
         "wall_time_s": time.perf_counter() - start,
         "num_params": sum(p.numel() for p in model.parameters()),
         "world_size": trainer.world_size,

@@ -45,8 +45,9 @@ rank nothing is sent and nothing compressed.
 
 Precision: :math:`\theta_g`, :math:`b`, :math:`\Delta` and the residuals are kept in fp32 for fp16/bf16
 params, in the params' dtype otherwise. Bytes (``comm_stats()``): what the all-reduce (ring rule) or the
-compressor puts on the wire, plus at construction one small agreement (the arguments and the params' layout) and
-one broadcast of group rank 0's params into every rank's :math:`\theta_g` (and a compressor's first call).
+compressor puts on the wire, plus at construction one small agreement (the arguments and the params' layout), a
+16-byte all-reduce of the params' checksum and, only where the ranks' params differ, one broadcast of group rank
+0's params into every rank's :math:`\theta_g` (under DDP they are rank 0's already); and a compressor's first call.
 
 Checkpoints: ``state_dict()`` holds the inner optimizer's state (``state``, ``param_groups``: this rank's
 own) and ``"diloco"`` (``diloco_state.py``: global params, outer momentum, step, residuals, compressor

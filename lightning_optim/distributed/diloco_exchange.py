@@ -21,6 +21,7 @@ collectives keep their own full bound: their roll call ends ``grace`` after the 
 from __future__ import annotations
 
 import time
+import zlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -41,7 +42,7 @@ from lightning_optim.comm.compressors import (
 from lightning_optim.comm.dense import world_size
 from lightning_optim.comm.pending import PendingCollective, start_collective
 from lightning_optim.comm.roll_call import grace_for, named_failure
-from lightning_optim.comm.stats import CommStats, comm_stats
+from lightning_optim.comm.stats import CommStats, comm_stats, ring_allreduce_bytes
 from lightning_optim.comm.timeouts import CommunicationError, collective, collective_timeout
 
 __all__ = ["COMPRESSORS", "Exchange", "broadcast_global_", "keeps_own_errors", "resolve_compressor", "start_exchange"]
@@ -147,10 +148,30 @@ def start_exchange(deltas: Sequence[Tensor], *, compressor: Compressor | None, r
     return exchange
 
 
+def _checksum(tensors: Sequence[Tensor]) -> int:
+    """crc32 of the tensors' bytes (31 bits: fits an int64 and its negation)."""
+    crc = 0
+    for t in tensors:
+        crc = zlib.crc32(t.detach().reshape(-1).cpu().view(torch.uint8).numpy().tobytes(), crc)
+    return crc
+
+
+def _same_everywhere(tensors: Sequence[Tensor], group: Any, stats: CommStats | None) -> bool:
+    """Whether every rank holds the same bytes (one 16-byte all-reduce of the checksum and its negation):
+    under DDP (the strategies, Accelerate) the params are rank 0's already, and a broadcast would cost a
+    whole model's bytes for nothing."""
+    crc = _checksum(tensors)
+    both = torch.tensor([crc, -crc], dtype=torch.int64, device=tensors[0].device)
+    collective("all_reduce(DiLoCo params checksum)", dist.all_reduce, both, op=dist.ReduceOp.MAX, group=group)
+    (comm_stats() if stats is None else stats).add_control(ring_allreduce_bytes(2, world_size(group), 8))
+    return int(both[0]) == -int(both[1])
+
+
 def broadcast_global_(tensors: Sequence[Tensor], group: Any, stats: CommStats | None = None) -> None:
-    """Group rank 0's ``tensors`` on every rank, in place (one flat broadcast; the root sends ``W - 1`` copies)."""
+    """Group rank 0's ``tensors`` on every rank, in place (one flat broadcast; the root sends ``W - 1`` copies),
+    unless every rank holds the same already (a checksum all-reduce)."""
     world = world_size(group)
-    if world == 1:
+    if world == 1 or _same_everywhere(tensors, group, stats):
         return
     dtype = tensors[0].dtype
     for t in tensors[1:]:

@@ -185,3 +185,19 @@ def dies_before_an_exchange(rank: int, world: int, bound: float, compressor: str
     except CommunicationError as exc:
         return ("CommunicationError", time.monotonic() - start, str(exc), getattr(exc, "failed_ranks", "unset"))
     return ("no error", time.monotonic() - start, "", None)
+
+
+def construction_bytes(rank: int, world: int) -> dict:
+    """What building DiLoCo sends: params equal on every rank (as under DDP) and params that differ."""
+    out = {}
+    for case in ("equal", "differ"):
+        params = [p.requires_grad_() for p in init_params()]
+        if case == "differ":
+            with torch.no_grad():
+                params[0].add_(rank)
+        before = comm_stats().copy()
+        opt = DiLoCo(torch.optim.SGD(params, lr=0.1), sync_every=2)
+        sent = comm_stats() - before
+        out[case] = {"bytes": sent.bytes_sent, "control_calls": sent.control_calls,
+                     "global": [g.clone() for g in opt.global_params], "numel": sum(p.numel() for p in params)}
+    return out

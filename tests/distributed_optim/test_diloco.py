@@ -313,3 +313,16 @@ def test_bf16_params_keep_an_fp32_global_copy():
     params[0].grad = torch.ones_like(params[0])
     opt.step()
     assert params[0].dtype == torch.bfloat16 and torch.equal(params[0].float(), opt.global_params[0].bfloat16().float())
+
+
+def test_construction_broadcasts_only_when_the_ranks_params_differ():
+    world = 3
+    out = run_workers(world, dw.construction_bytes)
+    reference = dw.init_params()
+    for rank in range(world):
+        equal, differ = out[rank]["equal"], out[rank]["differ"]
+        # the checksum all-reduce only (16 bytes in a ring) besides the agreement on the arguments
+        broadcast = (world - 1) * differ["numel"] * differ["global"][0].element_size() if rank == 0 else 0
+        assert differ["bytes"] - equal["bytes"] == broadcast, (rank, equal["bytes"], differ["bytes"])
+        for g, r in zip(differ["global"], reference):  # rank 0's params everywhere
+            assert torch.equal(g, r)
