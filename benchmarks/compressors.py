@@ -27,6 +27,7 @@ import argparse
 import csv
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -120,10 +121,17 @@ def _launch(args, label: str, overrides: list[str], addr: str, prefixes, envs, r
         tail = next(e for p, e in zip(procs, errors) if p.returncode)[-3000:]
         raise SystemExit(f"{label}: ranks failed ({[p.returncode for p in procs]}):\n{tail}")
     tx_after = [_tx_bytes(p, d) for p, d in zip(prefixes, devs)]
-    ranks = [json.loads((run_dir / f"rank{r}.json").read_text()) for r in range(2)]
     wire = [a - b for a, b in zip(tx_after, tx_before)] if None not in tx_before + tx_after else None
-    return {"label": label, "overrides": overrides, "ranks": ranks, "wire_bytes": wire,
-            "val_curve": _val_curve(run_dir / "metrics.csv"), "step_bytes": _step_bytes(run_dir / "metrics.csv")}
+    (run_dir / "run.json").write_text(json.dumps({"label": label, "overrides": overrides, "wire_bytes": wire}))
+    return _collect(run_dir)
+
+
+def _collect(run_dir: Path) -> dict:
+    """One configuration's results from its folder (what ``_launch`` left there)."""
+    meta = json.loads((run_dir / "run.json").read_text())
+    ranks = [json.loads((run_dir / f"rank{r}.json").read_text()) for r in range(2)]
+    return {**meta, "ranks": ranks, "val_curve": _val_curve(run_dir / "metrics.csv"),
+            "step_bytes": _step_bytes(run_dir / "metrics.csv")}
 
 
 def _val_curve(path: Path) -> list[tuple[int, float]]:
@@ -139,10 +147,34 @@ def _step_bytes(path: Path) -> dict[int, float]:
 
 
 def _cumulative(r: dict, step: int, per_step_fp32: float) -> float:
-    """Bytes rank 0 sent up to ``step``."""
+    """Bytes rank 0 sent up to metrics.csv's ``step`` (0-based: index s is the (s+1)-th step)."""
     if not r["step_bytes"]:
-        return step * per_step_fp32
-    return sum(b for s, b in r["step_bytes"].items() if s < step)  # logged at the step index after the step
+        return (step + 1) * per_step_fp32
+    return sum(b for s, b in r["step_bytes"].items() if s <= step)
+
+
+def exchange_step_costs(rows: list[dict], results: list[dict]) -> None:
+    """For the methods that send only now and then: the steps that send (and, overlapped, the step after,
+    which merges) against the median of the steps that send nothing, slower rank by rank."""
+    print("\n| strategy | steps that send | their median / slowest ms | steps after them (merge) median / slowest ms "
+          "| steps sending nothing: median ms | slowest sending step / median quiet step |")
+    print("|---|---|---|---|---|---|")
+    for row, r in zip(rows, results):
+        sending = sorted(s for s, b in r["step_bytes"].items() if b > 0)
+        if not r["step_bytes"] or len(sending) > len(r["step_bytes"]) // 4:
+            continue  # plain DDP, per-step compressors: every step sends
+        times = [max(rank["step_seconds"][i] for rank in r["ranks"]) for i in range(len(r["ranks"][0]["step_seconds"]))]
+        # metrics.csv's steps are 0-based, as step_seconds
+        send = [times[s] for s in sending if s < len(times)]
+        after = [times[s + 1] for s in sending if s + 1 < len(times)]
+        quiet = [t for i, t in enumerate(times) if i not in sending and i - 1 not in sending]
+        median = statistics.median(quiet)
+        row.update(send_step_ms=[statistics.median(send) * 1e3, max(send) * 1e3],
+                   merge_step_ms=[statistics.median(after) * 1e3, max(after) * 1e3], quiet_step_ms=median * 1e3,
+                   slowest_send_vs_quiet=max(send + after) / median)
+        print(f"| {row['label']} | {len(send)} | {statistics.median(send) * 1e3:.0f} / {max(send) * 1e3:.0f} "
+              f"| {statistics.median(after) * 1e3:.0f} / {max(after) * 1e3:.0f} | {median * 1e3:.0f} "
+              f"| {max(send + after) / median:.2f}x |")
 
 
 def plot(rows: list[dict], results: list[dict], path: Path, per_step_fp32: float) -> None:
@@ -158,7 +190,7 @@ def plot(rows: list[dict], results: list[dict], path: Path, per_step_fp32: float
         mean_step = row["mean_step_ms"] / 1e3
         ax_bytes.plot([max(_cumulative(r, s, per_step_fp32), 1e3) / 1e6 for s, _ in curve], [v for _, v in curve],
                       marker=".", label=row["label"])
-        ax_time.plot([s * mean_step for s, _ in curve], [v for _, v in curve], marker=".", label=row["label"])
+        ax_time.plot([(s + 1) * mean_step for s, _ in curve], [v for _, v in curve], marker=".", label=row["label"])
     ax_bytes.set_xscale("log")
     ax_bytes.set_xlabel("MB sent per rank (log)")
     ax_time.set_xlabel("training time, s (mean step x steps)")
@@ -196,7 +228,8 @@ def report(args, results: list[dict], where: str) -> dict:
         wire = max(r["wire_bytes"]) / 1e6 if r["wire_bytes"] else None
         loss = r["ranks"][0]["final_val_loss"]
         reached = next((step for step, v in r["val_curve"] if target is not None and v <= target), None)
-        to_loss = None if reached is None else reached * mean_s  # the exchanges' cost spread over the steps
+        # metrics.csv's steps are 0-based; the exchanges' cost spread over the steps
+        to_loss = None if reached is None else (reached + 1) * mean_s
         rel = (loss / base["ranks"][0]["final_val_loss"] - 1) * 100 if base else None
         rows.append({"label": r["label"], "payload_mb": payload, "fewer_x": ddp_payload / payload if payload else None,
                      "wire_mb": wire, "peak_step_mb": peak, "median_step_ms": step_s * 1e3,
@@ -208,7 +241,8 @@ def report(args, results: list[dict], where: str) -> dict:
         print(f"| {r['label']} | {'~' if nominal else ''}{payload:.2f} | {fewer} | {wire_text} | {peak:.2f} "
               f"| {step_s * 1e3:.0f} / {mean_s * 1e3:.0f} / {slowest_s * 1e3:.0f} "
               f"| {loss:.4f} | {'-' if rel is None else f'{rel:+.2f}%'} | "
-              f"{'-' if to_loss is None else f'{to_loss:.1f} s (step {reached})'} |")
+              f"{'-' if to_loss is None else f'{to_loss:.1f} s (step {reached + 1})'} |")
+    exchange_step_costs(rows, results)
     if args.out:
         plot(rows, results, Path(args.out) / "loss_vs_bytes_and_time.png", per_step_fp32)
     out = {"where": where, "steps": args.steps, "model": args.model, "machine": facts, "rows": rows}
@@ -225,6 +259,9 @@ def main(argv=None) -> None:
     p.add_argument("--netns", action="store_true")
     p.add_argument("--rate", default="1gbit")
     p.add_argument("--out", default="")
+    p.add_argument("--report-from", default="", help="print the report again from an earlier --out folder "
+                   "(its configurations in --only order, else all found); with --where saying where it ran")
+    p.add_argument("--where", default="")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--addr", default="127.0.0.1", help=argparse.SUPPRESS)
@@ -242,6 +279,13 @@ def main(argv=None) -> None:
         if unknown:
             p.error(f"--only: unknown {unknown}; choose from {list(chosen)}")
         chosen = {k: v for k, v in chosen.items() if k in wanted}
+    if args.report_from:
+        folder = Path(args.report_from)
+        found = {json.loads(f.read_text())["label"]: f.parent for f in folder.glob("*/run.json")}
+        labels = [label for label in chosen if label in found] if args.only else sorted(found)
+        args.out = args.out or str(folder)
+        report(args, [_collect(found[label]) for label in labels], args.where or "as recorded")
+        return
     out_dir = Path(args.out or tempfile.mkdtemp(prefix="compressors_"))
 
     def run_all(addr, prefixes, envs, where):

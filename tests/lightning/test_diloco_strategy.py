@@ -10,12 +10,12 @@ import math
 
 import pytest
 import torch
-from torch import nn
 
 import lightning_optim
 from lightning_optim.comm.stats import ring_allreduce_bytes
 from lightning_optim.model import LanguageModel, param_groups
 from tests.distributed import run_workers
+from tests.lightning.comm_hook_workers import _Loss
 from tests.lightning.diloco_workers import CASES, RESUME, STEPS, inner_adamw, suite
 from tests.lightning.workers import MODEL, SEQ_LEN
 from tests.reference.diloco import RefDiLoCo, fragments_of
@@ -33,15 +33,6 @@ def _syncs(case: str) -> dict[int, int]:
     kw = CASES[case][1]
     h, f = kw["sync_every"], kw.get("fragments", 4 if CASES[case][0].startswith("Streaming") else 1)
     return {t: k for t in range(1, STEPS + 1) for k in range(f) if t % h == ((k + 1) * h // f) % h}
-
-
-class _Loss(nn.Module):
-    def __init__(self, lm: nn.Module) -> None:
-        super().__init__()
-        self.lm = lm
-
-    def forward(self, batch: torch.Tensor) -> torch.Tensor:
-        return self.lm._loss(batch)
 
 
 def _optimizer_order(lm: LanguageModel) -> tuple[list[dict], list[int]]:
