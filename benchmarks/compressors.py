@@ -57,6 +57,7 @@ def configs(steps: int) -> dict[str, list[str]]:
         # DiLoCo (issue 23): the same AdamW as the inner optimizer, an outer Nesterov step every 50 steps
         "DiLoCo H=50": ["strategy=diloco", "strategy.sync_every=50"],
         "DiLoCo H=100": ["strategy=diloco", "strategy.sync_every=100"],
+        "DiLoCo H=50 int8": ["strategy=diloco", "strategy.sync_every=50", "strategy.compressor=int8"],
         "DiLoCo H=50 1-bit": ["strategy=diloco", "strategy.sync_every=50", "strategy.compressor=onebit"],
         "Streaming DiLoCo H=100 F=4": ["strategy=streaming_diloco", "strategy.sync_every=100", "strategy.fragments=4"],
     }
@@ -188,11 +189,12 @@ def plot(rows: list[dict], results: list[dict], path: Path, per_step_fp32: float
     for row, r in zip(rows, results):
         curve = r["val_curve"]
         mean_step = row["mean_step_ms"] / 1e3
-        ax_bytes.plot([max(_cumulative(r, s, per_step_fp32), 1e3) / 1e6 for s, _ in curve], [v for _, v in curve],
-                      marker=".", label=row["label"])
+        sent = [(_cumulative(r, s, per_step_fp32) / 1e6, v) for s, v in curve[1:]]  # after the first step
+        sent = [(b, v) for b, v in sent if b > 0]  # (a log axis has no 0: nothing sent yet)
+        ax_bytes.plot([b for b, _ in sent], [v for _, v in sent], marker=".", label=row["label"])
         ax_time.plot([(s + 1) * mean_step for s, _ in curve], [v for _, v in curve], marker=".", label=row["label"])
     ax_bytes.set_xscale("log")
-    ax_bytes.set_xlabel("MB sent per rank (log)")
+    ax_bytes.set_xlabel("MB sent per rank so far (log; points once something was sent)")
     ax_time.set_xlabel("training time, s (mean step x steps)")
     for ax in (ax_bytes, ax_time):
         ax.set_ylabel("validation loss")
