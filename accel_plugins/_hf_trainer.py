@@ -3,10 +3,12 @@
 stock ``transformers.Trainer`` (its subclasses included), so both do exactly the same:
 
 - ``__init__``: HF's, then a callback that calls ``enable_onebit`` on the DDP model at ``on_train_begin``
-  (``model_wrapped`` is the DDP model by then): DDP's fp32 allreduce is off in the compression stage;
+  (``model_wrapped`` is the DDP model by then): DDP's fp32 allreduce is off in the compression stage; the same
+  callback installs a :class:`~accel_plugins.hf.DiLoCoCallback` given in ``callbacks`` (``_hf_diloco.py``);
 - ``_save_optimizer_and_scheduler``: HF's (rank 0 writes ``optimizer.pt``), then every rank writes its own
-  error-feedback state, ``onebit_rank<r>.pt``;
-- ``_load_optimizer_and_scheduler``: HF's (every rank loads rank 0's ``optimizer.pt``), then this rank's file;
+  error-feedback state, ``onebit_rank<r>.pt`` (DiLoCo: its state and params, ``diloco_rank<r>.pt``);
+- ``_load_optimizer_and_scheduler``: HF's (every rank loads rank 0's ``optimizer.pt``), then this rank's file
+  (DiLoCo's: once it is installed, at ``on_train_begin``);
 - ``log``: ``comm/bytes_sent`` and ``comm/compression_ratio`` since the last log, then HF's;
 - ``onebit_optimizer``: the 1-bit optimizer being trained, or ``None``.
 
@@ -23,6 +25,7 @@ from typing import Any, Callable
 import torch.distributed as dist
 import transformers
 
+from accel_plugins._hf_diloco import diloco_callback
 from accel_plugins.accelerate import enable_onebit, load_rank_state, save_rank_state
 from lightning_optim.comm import comm_stats
 from lightning_optim.onebit import OnebitOptimizer
@@ -45,13 +48,16 @@ def onebit_optimizer(trainer: Any) -> OnebitOptimizer | None:
 
 
 class _OnebitSetup(transformers.TrainerCallback):
-    """Registers the DDP switch on the wrapped model before the first step."""
+    """Registers the DDP switch on the wrapped model before the first step (or installs a DiLoCoCallback)."""
 
     def __init__(self, trainer: Any) -> None:
         self.trainer = trainer
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         trainer = self.trainer
+        diloco = diloco_callback(trainer)
+        if diloco is not None:  # after HF's own callbacks' on_train_begin: the optimizer is prepared by now
+            diloco.setup(trainer)
         optimizer = onebit_optimizer(trainer)
         if optimizer is not None and state.max_steps > 0 and hasattr(optimizer, "limit_auto_freeze"):
             optimizer.limit_auto_freeze(state.max_steps)  # freeze_step="auto": at most 15% of the run
@@ -82,6 +88,9 @@ def _save_optimizer_and_scheduler(self: Any, output_dir: str) -> None:
     optimizer = onebit_optimizer(self)
     if optimizer is not None and _world() > 1:
         save_rank_state(optimizer, self.model_wrapped, output_dir)
+    diloco = diloco_callback(self)
+    if diloco is not None:
+        diloco.save(self, output_dir)
 
 
 @_calls("_load_optimizer_and_scheduler")
@@ -90,6 +99,9 @@ def _load_optimizer_and_scheduler(self: Any, checkpoint: str | None) -> None:
     optimizer = onebit_optimizer(self)
     if checkpoint is not None and optimizer is not None and _world() > 1:
         load_rank_state(optimizer, self.model_wrapped, checkpoint)
+    diloco = diloco_callback(self)
+    if checkpoint is not None and diloco is not None:
+        diloco.resume_from(checkpoint)
 
 
 @_calls("log")

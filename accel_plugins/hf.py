@@ -27,6 +27,10 @@ Stock classes: ``accel_plugins.hf.register()`` (transformers >= 4.47) makes ``tr
 same hyper-parameters; there ``sgd`` and ``stable_adamw`` keep HF's meaning. ``unregister()`` undoes it
 (``_hf_register.py``). For the 1-bit names the patched stock Trainer then has :class:`Trainer`'s own
 methods (``_hf_trainer.py``): DDP's allreduce off in the compression stage, per-rank checkpoints, byte logs.
+
+DiLoCo: ``callbacks=[DiLoCoCallback(sync_every=50)]`` around whatever optimizer ``optim`` builds (a callback, not
+an ``optim`` name: DiLoCo wraps an optimizer rather than being one); ``DiLoCoArguments`` gives its
+``--diloco_*`` command-line options (``_hf_diloco.py``, docs/hf_trainer.md).
 """
 
 from __future__ import annotations
@@ -36,13 +40,14 @@ from typing import Any
 
 import transformers
 
+from accel_plugins._hf_diloco import DiLoCoArguments, DiLoCoCallback
 from accel_plugins._hf_optim import OPTIM_NAMES, optimizer_cls_and_kwargs, parse_optim_args
 from accel_plugins._hf_register import register, unregister
 from accel_plugins._hf_trainer import TRAINER_METHODS
 from lightning_optim.catalogue import OPTIMIZERS
 
 __all__ = ["TrainingArguments", "Trainer", "optimizer_cls_and_kwargs", "parse_optim_args", "OPTIM_NAMES", "register",
-           "unregister"]
+           "unregister", "DiLoCoCallback", "DiLoCoArguments"]
 
 _HF_NAMES = tuple(o.value for o in transformers.training_args.OptimizerNames)
 

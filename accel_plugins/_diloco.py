@@ -1,0 +1,144 @@
+"""What the Accelerate and HF Trainer DiLoCo adapters share (no math here: ``lightning_optim.DiLoCo``):
+
+- :func:`check_settings`: DiLoCo's arguments checked before anything is built;
+- :func:`install`: the checks on the accelerator, model and prepared optimizer, then DiLoCo built over the
+  prepared optimizer's inner one (collective: every rank calls it), the DDP ``"local"`` comm hook registered
+  (no gradient all-reduce at all) and the prepared optimizer pointed at DiLoCo;
+- :func:`save_rank_state` / :func:`load_rank_state`: this rank's DiLoCo state (inner state, global params,
+  outer momentum, residuals) and its own params in ``diloco_rank<r>.pt`` (Accelerate and the HF Trainer save the
+  optimizer and the model from rank 0 only, but both differ per rank between synchronisations).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+
+from accel_plugins._accelerator import check_accelerator, check_ddp_ground, check_model, check_owned_params, \
+    unwrap_model, world
+from accel_plugins.accelerate import _check_same_tensors
+from accel_plugins.master_weights import MasterWeightsHandle, refuse_grad_scaler
+from lightning_optim.comm.ddp_hooks import LocalHookState, register_comm_hook
+from lightning_optim.distributed.centralized import GenericCentralizedOptimizer
+from lightning_optim.distributed.communicating import CommunicatingOptimizer
+from lightning_optim.distributed.decentralized import DecentralizedSGD
+from lightning_optim.distributed.diloco import DiLoCo, check_diloco_arguments
+from lightning_optim.distributed.diloco_exchange import resolve_compressor
+from lightning_optim.precision._checks import check_keys, describe
+
+__all__ = ["check_settings", "install", "load_rank_state", "rank_state_path", "save_rank_state"]
+
+_GRAD_SCALER_WHY = ("lets each rank skip a step alone on an overflow, but DiLoCo's ranks synchronise after the same "
+                    "number of inner steps (one skipped step would desynchronise them)")
+
+
+def check_settings(sync_every: Any, outer_lr: Any, outer_momentum: Any, nesterov: Any, fragments: Any, overlap: Any,
+                   mixing: Any, compressor: Any) -> dict[str, Any]:
+    """DiLoCo's keyword arguments, checked (``TypeError``/``ValueError`` naming the argument and its range)."""
+    check_diloco_arguments(sync_every, fragments, outer_lr, outer_momentum, nesterov, overlap, mixing)
+    resolve_compressor(compressor)
+    return dict(sync_every=sync_every, outer_lr=outer_lr, outer_momentum=outer_momentum, nesterov=nesterov,
+                fragments=fragments, overlap=overlap, mixing=mixing, compressor=compressor)
+
+
+def _check_prepared_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+    """Accelerate's ``AcceleratedOptimizer`` over a local optimizer; its inner optimizer."""
+    from accelerate.optimizer import AcceleratedOptimizer
+
+    if not isinstance(optimizer, AcceleratedOptimizer):
+        raise TypeError(f"optimizer: expected the optimizer accelerator.prepare returned (an AcceleratedOptimizer: "
+                        f"its step() is the one that becomes DiLoCo's), got {describe(optimizer)}")
+    inner = optimizer.optimizer
+    if isinstance(inner, DiLoCo):
+        raise ValueError("optimizer: it already steps through a DiLoCo (DiLoCo was enabled on it before)")
+    if isinstance(inner, (CommunicatingOptimizer, GenericCentralizedOptimizer, DecentralizedSGD)):
+        raise ValueError(f"optimizer: {type(inner).__name__} communicates at every step (1-bit, compressed or "
+                         "gossip); DiLoCo needs a local optimizer (torch.optim.AdamW, lightning_optim.AdamW, ...) "
+                         "and does the communication itself")
+    if not isinstance(inner, torch.optim.Optimizer):
+        raise TypeError(f"optimizer: its inner optimizer must be a torch.optim.Optimizer, got {describe(inner)}")
+    return inner
+
+
+def install(caller: str, accelerator: Any, model: nn.Module, optimizer: Any,
+            settings: dict[str, Any]) -> tuple[DiLoCo, LocalHookState | None]:
+    """Refuse what cannot work, then build DiLoCo over ``optimizer``'s inner optimizer, leave DDP's gradients
+    local and make ``optimizer`` step through DiLoCo. Collective (DiLoCo's construction agrees on the arguments
+    and broadcasts rank 0's params into the global copy): every rank calls it, before the first backward."""
+    check_accelerator(accelerator)
+    check_model(model)
+    inner = _check_prepared_optimizer(optimizer)
+    if isinstance(getattr(accelerator, "scaler", None), MasterWeightsHandle):
+        raise ValueError(f"{caller}: fp32 master weights (enable_master_weights) are not supported with DiLoCo: "
+                         "use Accelerator(mixed_precision='bf16') or fp32 params")
+    refuse_grad_scaler(caller, accelerator, _GRAD_SCALER_WHY)
+    check_ddp_ground(caller, accelerator, model)
+    check_owned_params(inner, model)
+    ddp = model if isinstance(model, nn.parallel.DistributedDataParallel) else None
+    if ddp is not None and getattr(ddp, "_comm_hooks", None):  # torch takes one hook per model
+        raise ValueError("model: its DDP already has a comm hook (DistributedDataParallelKwargs(comm_hook=...) or "
+                         f"your own); {caller} registers the 'local' hook itself (no gradient all-reduce): remove the "
+                         "other one")
+    diloco = DiLoCo(inner, **settings)  # collective; refuses what the local checks above cannot see
+    hook = None
+    if ddp is not None:  # the first change: everything above only checked
+        try:
+            hook = register_comm_hook(ddp, "local")
+        except RuntimeError as exc:
+            raise ValueError(f"model: its DDP already has a comm hook; {caller} registers the 'local' hook itself: "
+                             "remove the other one") from exc
+        ddp.broadcast_buffers = False  # buffers stay each rank's own: a per-forward broadcast would be a collective
+        if ddp.find_unused_parameters:
+            warnings.warn(f"{caller}: this DDP model was built with find_unused_parameters=True, so DDP all-reduces "
+                          "its used-parameter map (4 bytes per parameter tensor) after every backward, between "
+                          "DiLoCo's synchronisations too; build it with find_unused_parameters=False (HF Trainer: "
+                          "ddp_find_unused_parameters=False) unless some parameters really get no gradient",
+                          stacklevel=3)
+    optimizer.optimizer = diloco
+    return diloco, hook
+
+
+def rank_state_path(directory: str | os.PathLike, rank: int) -> str:
+    return os.path.join(directory, f"diloco_rank{rank}.pt")
+
+
+def _check_arguments(diloco: Any, model: Any, directory: Any) -> None:
+    if not isinstance(diloco, DiLoCo):
+        raise TypeError(f"diloco: expected a lightning_optim.DiLoCo, got {describe(diloco)}")
+    check_model(model)
+    if not isinstance(directory, (str, os.PathLike)):
+        raise TypeError(f"directory: expected a path (str or os.PathLike), got {describe(directory)}")
+
+
+def save_rank_state(diloco: DiLoCo, model: nn.Module, directory: str | os.PathLike) -> None:
+    """This rank's DiLoCo state and its model state (params and buffers differ per rank between
+    synchronisations) into ``directory/diloco_rank<r>.pt``; every rank calls it."""
+    _check_arguments(diloco, model, directory)
+    size, rank = world()
+    os.makedirs(directory, exist_ok=True)
+    payload = {"world_size": size, "rank": rank, "optimizer": diloco.state_dict(),
+               "model": {k: v.detach().clone() for k, v in unwrap_model(model).state_dict().items()}}
+    torch.save(payload, rank_state_path(directory, rank))
+
+
+def load_rank_state(diloco: DiLoCo, model: nn.Module, directory: str | os.PathLike) -> bool:
+    """This rank's file, when it is there and was written by this rank of this world size (else ``False``:
+    nothing loaded). Everything is checked before anything changes."""
+    _check_arguments(diloco, model, directory)
+    size, rank = world()
+    path = rank_state_path(directory, rank)
+    if not os.path.exists(path):
+        return False
+    payload = torch.load(path, map_location="cpu", weights_only=True)
+    check_keys(path, payload, {"world_size", "rank", "optimizer", "model"})
+    if payload["world_size"] != size or payload["rank"] != rank:
+        return False
+    module = unwrap_model(model)
+    _check_same_tensors(f"{path}['model']", payload["model"], module.state_dict())
+    diloco.load_state_dict(payload["optimizer"])  # checks all of it before it changes anything
+    module.load_state_dict(payload["model"])
+    return True

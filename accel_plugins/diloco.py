@@ -1,0 +1,105 @@
+r"""DiLoCo for Hugging Face Accelerate: one call after ``accelerator.prepare``.
+
+    model, optimizer, scheduler, loader = accelerator.prepare(model, torch.optim.AdamW(...), scheduler, loader)
+    diloco = accel_plugins.enable_diloco(accelerator, model, optimizer, sync_every=50)
+    # the loop stays as it is: accelerator.accumulate, accelerator.backward, clip_grad_norm_, optimizer.step(),
+    # scheduler.step(), accelerator.save_state / load_state
+
+What ``enable_diloco`` does (the algorithm: :class:`lightning_optim.DiLoCo`, docs/distributed.md):
+
+* builds ``DiLoCo(inner, sync_every=..., ...)`` over the prepared optimizer's own optimizer and makes the
+  prepared optimizer step through it: every inner step is a local step of your optimizer on this rank's own
+  gradients; every ``sync_every`` inner steps the ranks average their parameter change and take one outer
+  Nesterov step together (the only communication);
+* registers the DDP comm hook ``"local"`` on the prepared model: no gradient all-reduce at all, each rank
+  keeps its own gradients; buffers stay each rank's own too (``broadcast_buffers`` off);
+* gradient accumulation: ``accelerator.accumulate`` steps the optimizer at the accumulation boundary only, so
+  one boundary is one inner step (``sync_every`` counts optimizer steps, not micro-batches);
+* per-rank checkpoints: ``accelerator.save_state`` writes the optimizer and the model from the main process
+  only, but between synchronisations each rank has its own params and every rank its own inner state (and
+  residuals with a compressor). A save-state hook makes every rank write ``diloco_rank<r>.pt`` next to
+  Accelerate's files; on ``accelerator.load_state`` each rank loads its own file instead of rank 0's optimizer
+  state, and its own params over rank 0's model (bitwise resume, also between synchronisations);
+* refuses, before it changes anything (``TypeError``/``ValueError`` naming the argument): bad DiLoCo arguments,
+  an optimizer that communicates by itself (1-bit, compressed, gossip, or a DiLoCo already), a DDP model with a
+  comm hook already, fp16's GradScaler (a rank skipping a step alone would desynchronise the schedule), master
+  weights, DeepSpeed/FSDP, and a process group of several ranks that Accelerate left single-process.
+
+``accelerator.clip_grad_norm_`` clips each rank's local gradients (DiLoCo's inner steps are local).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from accel_plugins._diloco import check_settings, install, load_rank_state, save_rank_state
+from lightning_optim.comm import CommStats, comm_stats
+from lightning_optim.comm.ddp_hooks import LocalHookState
+from lightning_optim.distributed.diloco import DiLoCo
+
+__all__ = ["DiLoCoHandle", "enable_diloco"]
+
+
+@dataclass
+class DiLoCoHandle:
+    """What :func:`enable_diloco` set up: the DiLoCo the prepared optimizer steps through, DDP's ``"local"``
+    hook state (None without DDP) and the checkpoint hooks."""
+
+    diloco: DiLoCo
+    optimizer: Any  # the prepared (Accelerated) optimizer
+    model: nn.Module
+    hook: LocalHookState | None
+    accelerator: Any
+    _handles: list = field(default_factory=list)
+    _load_dir: str | None = None
+
+    def comm_stats(self) -> CommStats:
+        """This process's byte counters (``lightning_optim.comm.comm_stats()``): DiLoCo's exchanges only."""
+        return comm_stats()
+
+    def summary(self) -> dict[str, Any]:
+        stats = comm_stats()
+        return {"bytes_sent": stats.bytes_sent, "inner_steps": self.diloco.inner_steps,
+                "sync_every": self.diloco.sync_every, "fragments": self.diloco.fragments,
+                "compressor": self.diloco.compressor_name,
+                "buckets_local": self.hook.buckets_local if self.hook is not None else 0}
+
+    def close(self) -> None:
+        """Remove the checkpoint hooks (for teardown: the optimizer keeps stepping through DiLoCo, and DDP keeps
+        its ``"local"`` hook, which torch cannot unregister)."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        vars(self.optimizer).pop("load_state_dict", None)
+
+    # ------------------------------------------------------------------ checkpoint hooks
+    def _save_hook(self, models: list, weights: list, output_dir: str) -> None:
+        save_rank_state(self.diloco, self.model, output_dir)
+
+    def _load_hook(self, models: list, input_dir: str) -> None:
+        self._load_dir = input_dir
+
+    def _load_optimizer_state(self, state_dict: dict[str, Any]) -> None:
+        """The prepared optimizer's ``load_state_dict``: inside ``accelerator.load_state`` (after the model), this
+        rank's own file; otherwise (or where it is missing or from another world size) the state given."""
+        directory, self._load_dir = self._load_dir, None
+        if directory is not None and load_rank_state(self.diloco, self.model, directory):
+            return
+        self.diloco.load_state_dict(state_dict)
+
+
+def enable_diloco(accelerator: Any, model: nn.Module, optimizer: Any, *, sync_every: int, outer_lr: float = 0.7,
+                  outer_momentum: float = 0.9, nesterov: bool = True, fragments: int = 1, overlap: bool = False,
+                  mixing: float | None = None, compressor: Any = None) -> DiLoCoHandle:
+    """Train ``model`` with DiLoCo over ``optimizer``'s own optimizer (see the module doc). Call it on every rank
+    right after ``accelerator.prepare``, before the first backward; the arguments are :class:`DiLoCo`'s."""
+    settings = check_settings(sync_every, outer_lr, outer_momentum, nesterov, fragments, overlap, mixing, compressor)
+    diloco, hook = install("enable_diloco", accelerator, model, optimizer, settings)
+    handle = DiLoCoHandle(diloco=diloco, optimizer=optimizer, model=model, hook=hook, accelerator=accelerator)
+    optimizer.load_state_dict = handle._load_optimizer_state  # this instance only; close() removes it
+    handle._handles.append(accelerator.register_save_state_pre_hook(handle._save_hook))
+    handle._handles.append(accelerator.register_load_state_pre_hook(handle._load_hook))
+    return handle

@@ -1,0 +1,196 @@
+"""accel_plugins.enable_diloco under one real ``torchrun --nproc_per_node 2`` Accelerate run (gloo, CPU), past
+three synchronisations (sync_every=4, 12 optimizer steps of 2 accumulated micro-batches): the params equal the
+single-process DiLoCo reference (tests/reference/diloco.py), are equal on both ranks right after each sync and
+differ between; the kernel's socket counters see nothing between syncs (DDP's gradient all-reduce is gone) and
+at each sync what comm_stats counts; a save_state/load_state between two syncs resumes bitwise (also with int8
+residuals, per rank). Argument refusals run in this process."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("accelerate")
+
+from tests.accel.diloco_data import LR, MAX_NORM, MICRO, SAVE_AT, STEPS, SYNC_EVERY, WEIGHT_DECAY, batch, \
+    build_model  # noqa: E402
+from tests.distributed import torchrun_results  # noqa: E402
+from tests.reference.diloco import RefDiLoCo  # noqa: E402
+
+SCRIPT = Path(__file__).with_name("accelerate_diloco_script.py")
+REPO = Path(__file__).resolve().parents[2]
+SYNCS = [s for s in range(1, STEPS + 1) if s % SYNC_EVERY == 0]
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    results = torchrun_results(SCRIPT, tmp_path_factory.mktemp("diloco"), cwd=REPO)
+    assert [r["world"] for r in results] == [2, 2]
+    return results
+
+
+def _reference(rows: list[dict], initial: torch.Tensor) -> list[torch.Tensor]:
+    """Two simulated workers with the ranks' data, learning rates, accumulation and clipping; params per step."""
+    module = build_model(0)
+    names = [n for n, _ in module.named_parameters()]
+    shapes = [p.shape for p in module.parameters()]
+    init = [t.view(s) for t, s in zip(initial.split([s.numel() for s in shapes]), shapes)]
+    ref = RefDiLoCo(init, 2, lambda ps: torch.optim.AdamW(ps, lr=LR, weight_decay=WEIGHT_DECAY), sync_every=SYNC_EVERY)
+
+    def grads(w: int, t: int, params: list[torch.Tensor]) -> None:
+        ref.inners[w].param_groups[0]["lr"] = rows[t - 1]["lr"]  # the scheduler's value at that step
+        for micro in range(MICRO):  # accelerator.backward divides the loss by the accumulation steps
+            x, y = batch(t - 1, micro, w)
+            out = torch.func.functional_call(module, dict(zip(names, params)), (x,))
+            (nn.functional.mse_loss(out, y) / MICRO).backward()
+        torch.nn.utils.clip_grad_norm_(params, MAX_NORM)
+
+    per_step = []
+    for _ in range(STEPS):
+        ref.step(grads)
+        per_step.append([torch.cat([p.detach().reshape(-1) for p in worker]) for worker in ref.workers])
+    return per_step
+
+
+def test_params_follow_the_diloco_reference_and_agree_right_after_each_sync(ranks):
+    full = [r["plain"]["full"] for r in ranks]
+    assert torch.equal(full[0]["initial"], full[1]["initial"])
+    expected = _reference(full[0]["rows"], full[0]["initial"])
+    for step in range(1, STEPS + 1):
+        mine = [f["rows"][step - 1]["params"] for f in full]
+        for rank in range(2):
+            torch.testing.assert_close(mine[rank], expected[step - 1][rank], rtol=0, atol=1e-6)
+        assert torch.equal(mine[0], mine[1]) == (step in SYNCS), step
+    for f in full:
+        assert f["inner_steps"] == STEPS == int(f["steps_inner_optimizer"])  # one inner step per accumulation
+        assert f["summary"]["buckets_local"] == STEPS  # every backward went through the "local" hook
+
+
+@pytest.mark.parametrize("case", ["plain", "int8"])
+def test_nothing_on_the_wire_between_syncs_and_comm_stats_at_syncs(ranks, case):
+    for result in ranks:
+        rows = result[case]["full"]["rows"]
+        if any(r["wire_bytes"] is None for r in rows):
+            pytest.skip("no `ss` to read the sockets' byte counters")
+        between = [r["wire_bytes"] for r in rows if r["step"] not in SYNCS]
+        # DDP's bucket rebuild after its first iteration broadcasts the bucket order once (a few hundred bytes);
+        # a gradient all-reduce would be ~38 KB a step
+        assert sum(between) < 1024 and between.count(0) >= len(between) - 1, between
+        for r in rows:
+            if r["step"] in SYNCS:
+                assert r["stats_bytes"] > 0
+                # gloo's own framing adds ~0.6 KB a sync here (seen: 576 bytes on both the fp32 and the int8 path)
+                assert r["stats_bytes"] <= r["wire_bytes"] <= 1.03 * r["stats_bytes"] + 1024, r
+            else:
+                assert r["stats_bytes"] == 0, r
+
+
+@pytest.mark.parametrize("case", ["plain", "int8"])
+def test_save_state_load_state_between_syncs_resumes_bitwise(ranks, case):
+    for result in ranks:
+        full, resumed = result[case]["full"]["rows"], result[case]["resumed"]["rows"]
+        assert [r["step"] for r in resumed] == list(range(SAVE_AT + 1, STEPS + 1))
+        for a, b in zip(full[SAVE_AT:], resumed):
+            assert torch.equal(a["params"], b["params"]) and a["loss"] == b["loss"] and a["lr"] == b["lr"]
+    # the ranks differed when saved: each resumed its own params and state
+    assert not torch.equal(ranks[0][case]["full"]["rows"][SAVE_AT - 1]["params"],
+                           ranks[1][case]["full"]["rows"][SAVE_AT - 1]["params"])
+
+
+def test_a_foreign_comm_hook_is_refused_before_anything_changes(ranks):
+    for result in ranks:
+        refused = result["foreign_hook"]
+        assert refused["message"].startswith("model: its DDP already has a comm hook"), refused["message"]
+        assert refused["inner"] == "AdamW" and refused["save_hooks"] == 0
+
+
+# ---------------------------------------------------------------------- refusals in this process (one rank)
+BAD_ARGUMENTS = [
+    ("sync_every", 0, ValueError), ("sync_every", 2.5, TypeError), ("sync_every", True, TypeError),
+    ("outer_lr", 0.0, ValueError), ("outer_lr", -1.0, ValueError), ("outer_lr", "0.7", TypeError),
+    ("outer_momentum", 1.0, ValueError), ("outer_momentum", -0.1, ValueError),
+    ("nesterov", "yes", TypeError), ("fragments", 0, ValueError), ("fragments", 3, ValueError),
+    ("overlap", 1, TypeError), ("mixing", 0.5, ValueError), ("compressor", "int2", ValueError),
+    ("compressor", 8, TypeError),
+]
+
+
+def _prepared():
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    model = nn.Linear(4, 2)
+    model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters()))
+    return accelerator, model, optimizer
+
+
+def _unchanged(accelerator, optimizer, inner) -> bool:
+    return (optimizer.optimizer is inner and "load_state_dict" not in vars(optimizer)
+            and not accelerator._save_model_state_pre_hook and not accelerator._load_model_state_pre_hook)
+
+
+@pytest.mark.parametrize("name, value, error", BAD_ARGUMENTS, ids=[f"{n}={v!r}" for n, v, _ in BAD_ARGUMENTS])
+def test_a_bad_argument_is_refused_by_name_before_anything_changes(name, value, error):
+    import accel_plugins
+
+    accelerator, model, optimizer = _prepared()
+    inner = optimizer.optimizer
+    kwargs = {"sync_every": 4, name: value}
+    with pytest.raises(error, match=rf"^{name}\b"):
+        accel_plugins.enable_diloco(accelerator, model, optimizer, **kwargs)
+    assert _unchanged(accelerator, optimizer, inner)
+
+
+def test_optimizers_that_communicate_scalers_and_unprepared_objects_are_refused():
+    import accel_plugins
+    from lightning_optim import OnebitAdam
+
+    accelerator, model, optimizer = _prepared()
+    inner = optimizer.optimizer
+    with pytest.raises(TypeError, match="^optimizer: expected the optimizer accelerator.prepare returned"):
+        accel_plugins.enable_diloco(accelerator, model, inner, sync_every=4)
+    with pytest.raises(TypeError, match="^accelerator: expected an accelerate.Accelerator"):
+        accel_plugins.enable_diloco(object(), model, optimizer, sync_every=4)
+    with pytest.raises(TypeError, match="^model: expected the torch.nn.Module"):
+        accel_plugins.enable_diloco(accelerator, "model", optimizer, sync_every=4)
+    accelerator.scaler = torch.amp.GradScaler("cpu")  # what mixed_precision="fp16" sets up
+    with pytest.raises(ValueError, match="GradScaler.*desynchronise"):
+        accel_plugins.enable_diloco(accelerator, model, optimizer, sync_every=4)
+    accelerator.scaler = None
+    assert _unchanged(accelerator, optimizer, inner)
+    handle = accel_plugins.enable_diloco(accelerator, model, optimizer, sync_every=4)  # one rank: no DDP, works
+    with pytest.raises(ValueError, match="^optimizer: it already steps through a DiLoCo"):
+        accel_plugins.enable_diloco(accelerator, model, optimizer, sync_every=4)
+    handle.close()
+
+    accelerator, model, _ = _prepared()
+    onebit = accelerator.prepare(OnebitAdam(model.parameters(), freeze_step=2))
+    with pytest.raises(ValueError, match="^optimizer: OnebitAdam communicates at every step"):
+        accel_plugins.enable_diloco(accelerator, model, onebit, sync_every=4)
+
+
+def test_one_process_trains_locally_through_diloco(tmp_path):
+    """Without DDP (one process) the prepared optimizer steps DiLoCo; save_state/load_state round-trips."""
+    import accel_plugins
+
+    accelerator, model, optimizer = _prepared()
+    handle = accel_plugins.enable_diloco(accelerator, model, optimizer, sync_every=2, outer_lr=1.0,
+                                         outer_momentum=0.0, nesterov=False)
+    for _ in range(3):
+        accelerator.backward(model(torch.ones(3, 4)).square().sum())
+        optimizer.step()
+        optimizer.zero_grad()
+    assert handle.diloco.inner_steps == 3 and handle.hook is None and handle.comm_stats().bytes_sent == 0
+    accelerator.save_state(str(tmp_path))
+    assert (tmp_path / "diloco_rank0.pt").exists()
+    saved = [p.detach().clone() for p in model.parameters()]
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    accelerator.load_state(str(tmp_path))
+    assert all(torch.equal(a, b) for a, b in zip(saved, model.parameters()))
+    assert handle.diloco.inner_steps == 3
+    handle.close()
