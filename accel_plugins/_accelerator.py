@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch.distributed as dist
@@ -29,6 +30,13 @@ def check_model(model: Any) -> nn.Module:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected the torch.nn.Module accelerator.prepare returned, got {describe(model)}")
     return model
+
+
+def check_model_and_directory(model: Any, directory: Any) -> None:
+    """The arguments every per-rank save/load helper takes besides its optimizer."""
+    check_model(model)
+    if not isinstance(directory, (str, os.PathLike)):
+        raise TypeError(f"directory: expected a path (str or os.PathLike), got {describe(directory)}")
 
 
 def check_owned_params(optimizer: Any, model: nn.Module, extra: Any = ()) -> None:

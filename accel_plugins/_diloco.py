@@ -18,8 +18,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from accel_plugins._accelerator import check_accelerator, check_ddp_ground, check_model, check_owned_params, \
-    unwrap_model, world
+from accel_plugins._accelerator import (
+    check_accelerator,
+    check_ddp_ground,
+    check_model,
+    check_model_and_directory,
+    check_owned_params,
+    unwrap_model,
+    world,
+)
 from accel_plugins.accelerate import _check_same_tensors
 from accel_plugins.master_weights import MasterWeightsHandle, refuse_grad_scaler
 from lightning_optim.comm.ddp_hooks import LocalHookState, register_comm_hook
@@ -109,9 +116,7 @@ def rank_state_path(directory: str | os.PathLike, rank: int) -> str:
 def _check_arguments(diloco: Any, model: Any, directory: Any) -> None:
     if not isinstance(diloco, DiLoCo):
         raise TypeError(f"diloco: expected a lightning_optim.DiLoCo, got {describe(diloco)}")
-    check_model(model)
-    if not isinstance(directory, (str, os.PathLike)):
-        raise TypeError(f"directory: expected a path (str or os.PathLike), got {describe(directory)}")
+    check_model_and_directory(model, directory)
 
 
 def save_rank_state(diloco: DiLoCo, model: nn.Module, directory: str | os.PathLike) -> None:

@@ -51,6 +51,7 @@ from accel_plugins._accelerator import (
     check_accelerator,
     check_ddp_ground,
     check_model,
+    check_model_and_directory,
     check_owned_params,
     unwrap_model,
     unwrap_optimizer,
@@ -281,9 +282,7 @@ def _clip_arguments(parameters: Any, max_norm: Any, norm_type: Any) -> list[torc
 def _check_rank_arguments(optimizer: Any, model: Any, directory: Any) -> None:
     if not isinstance(optimizer, OnebitOptimizer):
         raise TypeError(f"optimizer: expected a 1-bit optimizer (unwrapped), got {describe(optimizer)}")
-    check_model(model)
-    if not isinstance(directory, (str, os.PathLike)):
-        raise TypeError(f"directory: expected a path (str or os.PathLike), got {describe(directory)}")
+    check_model_and_directory(model, directory)
 
 
 def _check_same_tensors(where: str, saved: Any, live: dict[str, torch.Tensor]) -> None:

@@ -27,3 +27,11 @@ def wire_bytes_sent() -> int | None:
             retransmitted = re.search(r"\bbytes_retrans:(\d+)", line)
             total += int(found.group(1)) - (int(retransmitted.group(1)) if retransmitted else 0)
     return total
+
+
+def assert_quiet_between_syncs(rows: list[dict], syncs) -> None:
+    """Per-step rows (``step``, ``wire_bytes``) of a DiLoCo run: nothing on the wire outside the steps in
+    ``syncs`` but, once, DDP's broadcast of its rebuilt bucket order after its first iteration (a few hundred
+    bytes; a gradient all-reduce would be tens of KB a step)."""
+    between = [r["wire_bytes"] for r in rows if r["step"] not in syncs]
+    assert sum(between) < 1024 and between.count(0) >= len(between) - 1, between

@@ -8,10 +8,9 @@ library's bytes. ``--trainer library`` (default): ``accel_plugins.hf.TrainingArg
 """
 
 import gc
-import os
-import re
-import subprocess
+import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import transformers
@@ -21,32 +20,13 @@ import accel_plugins.hf
 from lightning_optim.comm import comm_stats
 from lightning_optim.data import RandomWindows, load_corpus
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout, when run as a script
+from tests.wire import wire_bytes_sent  # noqa: E402
+
 
 @dataclass
 class ScriptArguments:
     trainer: str = field(default="library", metadata={"choices": ["library", "stock"]})
-
-
-def wire_bytes_sent() -> int | None:
-    """What this process's open TCP sockets to other ranks have sent, as the kernel counts it (``ss -tinp``:
-    gloo's pairs), independent of comm_stats; None where ``ss`` is missing. Each byte once: ``bytes_sent`` counts
-    retransmissions too, and loopback does retransmit (probes and spurious resends while the receiving rank is
-    not scheduled: seen on an idle machine; CI saw a rank 53 KB "heavier" that way), so ``bytes_retrans`` is taken off. The rendezvous store's socket (to
-    MASTER_PORT) is left out: it polls while ranks wait for each other, so its bytes follow the machine's load."""
-    try:
-        out = subprocess.run(["ss", "-tinpH"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return None
-    store = f":{os.environ.get('MASTER_PORT', '')}"
-    total, mine = 0, False
-    for line in out.splitlines():
-        if not line[:1].isspace():  # a socket's line; its counters follow on an indented line
-            fields = line.split()
-            mine = f"pid={os.getpid()}," in line and not any(f.endswith(store) for f in fields[3:5])
-        elif mine and (found := re.search(r"\bbytes_sent:(\d+)", line)):
-            retransmitted = re.search(r"\bbytes_retrans:(\d+)", line)
-            total += int(found.group(1)) - (int(retransmitted.group(1)) if retransmitted else 0)
-    return total
 
 
 # --trainer first (the stock parser must be built after register()), then the whole argv as a user's script parses it

@@ -19,6 +19,7 @@ from tests.accel.diloco_data import LR, MAX_NORM, MICRO, SAVE_AT, STEPS, SYNC_EV
     build_model  # noqa: E402
 from tests.distributed import torchrun_results  # noqa: E402
 from tests.reference.diloco import RefDiLoCo  # noqa: E402
+from tests.wire import assert_quiet_between_syncs  # noqa: E402
 
 SCRIPT = Path(__file__).with_name("accelerate_diloco_script.py")
 REPO = Path(__file__).resolve().parents[2]
@@ -75,10 +76,7 @@ def test_nothing_on_the_wire_between_syncs_and_comm_stats_at_syncs(ranks, case):
         rows = result[case]["full"]["rows"]
         if any(r["wire_bytes"] is None for r in rows):
             pytest.skip("no `ss` to read the sockets' byte counters")
-        between = [r["wire_bytes"] for r in rows if r["step"] not in SYNCS]
-        # DDP's bucket rebuild after its first iteration broadcasts the bucket order once (a few hundred bytes);
-        # a gradient all-reduce would be ~38 KB a step
-        assert sum(between) < 1024 and between.count(0) >= len(between) - 1, between
+        assert_quiet_between_syncs(rows, SYNCS)
         for r in rows:
             if r["step"] in SYNCS:
                 assert r["stats_bytes"] > 0

@@ -16,6 +16,7 @@ import torch
 pytest.importorskip("transformers")
 
 from tests.distributed import run_torchrun  # noqa: E402
+from tests.wire import assert_quiet_between_syncs  # noqa: E402
 
 SCRIPT = Path(__file__).with_name("hf_diloco_script.py")
 REPO = Path(__file__).resolve().parents[2]
@@ -59,9 +60,7 @@ def test_nothing_on_the_wire_between_syncs_and_comm_stats_at_syncs(runs):
         rows = result["rows"]
         if any(r["wire_bytes"] is None for r in rows):
             pytest.skip("no `ss` to read the sockets' byte counters")
-        between = [r["wire_bytes"] for r in rows if r["step"] not in SYNCS]
-        # DDP's bucket rebuild after its first iteration broadcasts the bucket order once (a few hundred bytes)
-        assert sum(between) < 1024 and between.count(0) >= len(between) - 1, between
+        assert_quiet_between_syncs(rows, SYNCS)
         for r in rows:
             if r["step"] in SYNCS:
                 assert r["stats_bytes"] <= r["wire_bytes"] <= 1.03 * r["stats_bytes"] + 1024, r
