@@ -5,6 +5,13 @@
 #   bash benchmarks/gpu_check.sh "$OUT"             # on a CUDA machine: <= 8 minutes on one H100
 #   bash benchmarks/gpu_check.sh "$OUT" --dry-run   # anywhere: runs what needs no CUDA, prints the rest
 #
+# The device image lacks Hydra (tests/conftest.py needs it): before the device call, here in the repository root,
+#   echo /.whl/ >> .git/info/exclude
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux2014_x86_64 -d .whl hydra-core==1.3.2 omegaconf==2.3.0
+#   python3 -m pip wheel --no-deps -w .whl antlr4-python3-runtime==4.9.3    # PyPI has no wheel of it
+# and name .whl in the call's carry; this script installs them into a private target.
+#
 # OUT receives gpu_check.json, gpu_check.md and gpu_check.log only (a device run brings back <= 8 files);
 # the steps' own files stay in a temporary work folder. Every step runs under `timeout`; a failed step is
 # recorded and the script goes on, so one run reports everything it could. Exit status 0 iff all passed.
