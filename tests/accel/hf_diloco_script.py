@@ -5,7 +5,18 @@ bytes. ``--trainer library``: ``accel_plugins.hf.TrainingArguments`` and ``Train
 optimizer step, the bytes sent between ``on_step_begin`` and ``on_step_end`` (the kernel's socket counters and
 comm_stats) and the params. Each rank writes OUTPUT_DIR/result<r>.pt.
 
-    torchrun --nproc_per_node 2 hf_diloco_script.py --output_dir OUT --diloco_sync_every 4 --max_steps 12 ...
+One launch runs several phases (tests/accel/phases.py), each one user's command line, separated by ``then``:
+
+    torchrun --nproc_per_node 2 hf_diloco_script.py --output_dir OUT/full --diloco_sync_every 4 --max_steps 12 ... \
+        then --output_dir OUT/resumed --trainer stock --resume_from_checkpoint OUT/full/checkpoint-6 ...
+
+Why a phase stands for its own launch: ``sys.argv`` becomes the phase's command line, which a parser built for its
+route parses as a user's script does (after ``register()`` for the stock route, after ``unregister()`` for the
+library one); the phase builds the arguments (which set Accelerate's state up anew), model, data, callbacks and
+Trainer afresh, and ``phases.start_phase`` resets what else is process-wide (Accelerate's singletons, comm_stats'
+counter). A resumed phase therefore holds nothing of the run that wrote its checkpoint: model, HF's optimizer, every
+rank's DiLoCo state (``diloco_rank<r>.pt``) and random states come from the checkpoint on disk, as in a user's
+resumed run.
 """
 
 import gc
@@ -22,6 +33,7 @@ from lightning_optim.comm import comm_stats
 from lightning_optim.data import RandomWindows, load_corpus
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout, when run as a script
+from tests.accel.phases import split_phases, start_phase  # noqa: E402
 from tests.wire import wire_bytes_sent  # noqa: E402
 
 
@@ -45,29 +57,43 @@ class Recorder(transformers.TrainerCallback):
                           "params": torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])})
 
 
-# --trainer first (the stock parser must be built after register()), then the whole argv as a user's script parses it
-if HfArgumentParser(ScriptArguments).parse_known_args()[0].trainer == "stock":
-    accel_plugins.hf.register()
-    arguments_class, trainer_class = transformers.TrainingArguments, transformers.Trainer
-else:
-    arguments_class, trainer_class = accel_plugins.hf.TrainingArguments, accel_plugins.hf.Trainer
-parser = HfArgumentParser((arguments_class, accel_plugins.hf.DiLoCoArguments, ScriptArguments))
-args, diloco_args, _ = parser.parse_args_into_dataclasses()
+def use_route() -> tuple[type, type]:
+    """The phase's ``--trainer`` read first (the stock parser must be built after register()); its classes."""
+    if HfArgumentParser(ScriptArguments).parse_known_args()[0].trainer == "stock":
+        accel_plugins.hf.register()
+        return transformers.TrainingArguments, transformers.Trainer
+    accel_plugins.hf.unregister()  # a library phase after a stock one: transformers as a fresh process has it
+    return accel_plugins.hf.TrainingArguments, accel_plugins.hf.Trainer
 
-torch.manual_seed(0)
-model = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=32, n_embd=32, n_layer=1, n_head=2))
-train, _ = load_corpus(None, "*.py", max_bytes=100_000, val_fraction=0.1)
-windows = RandomWindows(torch.frombuffer(bytearray(train), dtype=torch.uint8), 32, 512, seed=0)
-data = [{"input_ids": w[:32].long(), "labels": w[:32].long()} for w in (windows[i] for i in range(len(windows)))]
-diloco = diloco_args.callback()
-recorder = Recorder()
-trainer = trainer_class(model=model, args=args, train_dataset=data, callbacks=[diloco, recorder])
-trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
-torch.save({"params": [p.detach().clone() for p in model.parameters()], "trainer": type(trainer).__module__,
-            "rows": recorder.rows, "log": trainer.state.log_history, "inner_steps": diloco.diloco.inner_steps,
-            "inner": type(diloco.diloco.inner).__name__, "stepping": type(trainer.optimizer.optimizer).__name__,
-            "buckets_local": diloco.hook.buckets_local, "bytes_sent": diloco.comm_stats().bytes_sent},
-           f"{args.output_dir}/result{trainer.args.process_index}.pt")
-trainer.accelerator.free_memory()
-del trainer, model
-gc.collect()
+
+def training_data() -> list[dict]:
+    train, _ = load_corpus(None, "*.py", max_bytes=100_000, val_fraction=0.1)
+    windows = RandomWindows(torch.frombuffer(bytearray(train), dtype=torch.uint8), 32, 512, seed=0)
+    return [{"input_ids": w[:32].long(), "labels": w[:32].long()} for w in (windows[i] for i in range(len(windows)))]
+
+
+def run_phase() -> None:
+    """One user's run: parse the whole command line (``sys.argv``), train, save this rank's result."""
+    start_phase()
+    arguments_class, trainer_class = use_route()
+    parser = HfArgumentParser((arguments_class, accel_plugins.hf.DiLoCoArguments, ScriptArguments))
+    args, diloco_args, _ = parser.parse_args_into_dataclasses()
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=32, n_embd=32, n_layer=1, n_head=2))
+    diloco = diloco_args.callback()
+    recorder = Recorder()
+    trainer = trainer_class(model=model, args=args, train_dataset=training_data(), callbacks=[diloco, recorder])
+    trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
+    torch.save({"params": [p.detach().clone() for p in model.parameters()], "trainer": type(trainer).__module__,
+                "rows": recorder.rows, "log": trainer.state.log_history, "inner_steps": diloco.diloco.inner_steps,
+                "inner": type(diloco.diloco.inner).__name__, "stepping": type(trainer.optimizer.optimizer).__name__,
+                "buckets_local": diloco.hook.buckets_local, "bytes_sent": diloco.comm_stats().bytes_sent},
+               f"{args.output_dir}/result{trainer.args.process_index}.pt")
+    trainer.accelerator.free_memory()
+    del trainer, model, diloco
+    gc.collect()
+
+
+for phase in split_phases(sys.argv[1:]):
+    sys.argv[1:] = phase  # the command line of this phase's own launch, which HfArgumentParser reads as users' do
+    run_phase()

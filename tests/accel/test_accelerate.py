@@ -1,7 +1,8 @@
 """accel_plugins.enable_onebit under a real ``torchrun --nproc_per_node 2`` Accelerate run (gloo, CPU):
 compression engages after freeze_step with DDP's allreduce off, the ranks stay identical, the bytes
 per compressed step are ~1/32 of DDP's fp32 allreduce, and a save_state/load_state resume equals the
-uninterrupted run bitwise."""
+uninterrupted run bitwise. The full and the resumed run are phases of one launch (tests/accel/phases.py); the
+example is its own launch, run as users run it."""
 
 from __future__ import annotations
 
@@ -13,22 +14,19 @@ import torch
 
 pytest.importorskip("accelerate")
 
-from tests.distributed import run_torchrun, torchrun_results  # noqa: E402
+from tests.accel.phases import rank_results, run_phases  # noqa: E402
+from tests.distributed import run_torchrun  # noqa: E402
 
 SCRIPT = Path(__file__).with_name("accelerate_script.py")
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _torchrun(out: Path, *args: str) -> list[dict]:
-    return torchrun_results(SCRIPT, out, *args, cwd=REPO)
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("accelerate")
-    full = _torchrun(tmp / "full", "save_at=6")
-    resumed = _torchrun(tmp / "resumed", f"load={tmp / 'full' / 'ckpt'}", "start=6")
-    return full, resumed
+    run_phases(SCRIPT, [[tmp / "full", "save_at=6"], [tmp / "resumed", f"load={tmp / 'full' / 'ckpt'}", "start=6"]],
+               cwd=REPO)
+    return rank_results(tmp / "full"), rank_results(tmp / "resumed")
 
 
 def test_compression_engages_and_ranks_stay_identical(runs):

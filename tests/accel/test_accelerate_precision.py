@@ -1,6 +1,7 @@
 """accel_plugins.enable_master_weights / enable_gradient_release under a real ``torchrun --nproc_per_node 2``
 Accelerate run (gloo, CPU), each against a reference in the same process written with torch DDP and the
-framework-free core by hand (tests/accel/precision_script.py); refusals in one process."""
+framework-free core by hand (tests/accel/precision_script.py); the four runs (masters full and resumed, release,
+onebit) are phases of one launch (tests/accel/phases.py). Refusals in one process."""
 
 from __future__ import annotations
 
@@ -12,22 +13,26 @@ from torch import nn
 
 pytest.importorskip("accelerate")
 
-from tests.distributed import torchrun_results  # noqa: E402
+from tests.accel.phases import rank_results, run_phases  # noqa: E402
 
 SCRIPT = Path(__file__).with_name("precision_script.py")
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _torchrun(out: Path, *args: str) -> list[dict]:
-    return torchrun_results(SCRIPT, out, *args, cwd=REPO)
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, list[dict]]:
+    """Every run of precision_script.py, by name, from one launch."""
+    tmp = tmp_path_factory.mktemp("precision")
+    phases = {"full": ["mode=masters", "save_at=5"],
+              "resumed": ["mode=masters", f"load={tmp / 'full' / 'ckpt'}", "start=5"],
+              "release": ["mode=release"], "onebit": ["mode=onebit"]}
+    run_phases(SCRIPT, [[tmp / name, *arguments] for name, arguments in phases.items()], cwd=REPO)
+    return {name: rank_results(tmp / name) for name in phases}
 
 
 @pytest.fixture(scope="module")
-def masters(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("masters")
-    full = _torchrun(tmp / "full", "mode=masters", "save_at=5")
-    resumed = _torchrun(tmp / "resumed", "mode=masters", f"load={tmp / 'full' / 'ckpt'}", "start=5")
-    return full, resumed
+def masters(runs):
+    return runs["full"], runs["resumed"]
 
 
 def test_master_weights_equal_the_core_stepped_by_hand_under_ddp(masters):
@@ -58,19 +63,19 @@ def test_master_weights_resume_through_save_state_is_bitwise(masters):
         assert full[rank]["rows"][5:] == resumed[rank]["rows"]
 
 
-def test_gradient_release_equals_plain_ddp_with_accumulation(tmp_path):
-    for run in _torchrun(tmp_path, "mode=release"):
+def test_gradient_release_equals_plain_ddp_with_accumulation(runs):
+    for run in runs["release"]:
         for a, b in zip(run["released"], run["plain"]):
             assert torch.equal(a, b)
         assert run["lr"] < 1e-2  # the scheduler drove the released updates
         assert "no moment holds all of them to clip" in run["clip_error"]
 
 
-def test_master_weights_with_onebit_adam_track_fp32(tmp_path):
-    runs = _torchrun(tmp_path, "mode=onebit")
-    for a, b in zip(runs[0]["fp16"]["params"], runs[1]["fp16"]["params"]):
+def test_master_weights_with_onebit_adam_track_fp32(runs):
+    ranks = runs["onebit"]
+    for a, b in zip(ranks[0]["fp16"]["params"], ranks[1]["fp16"]["params"]):
         assert torch.equal(a, b)
-    run = runs[0]
+    run = ranks[0]
     fp32_ring = 4 * run["fp16"]["numel"]  # DDP's fp32 ring allreduce on 2 ranks, per step
     assert not run["fp16"]["switch"] and run["fp16"]["skipped"] == 0
     assert all(fp32_ring / b > 20 for b in run["fp16"]["sent"][4:]), run["fp16"]["sent"]

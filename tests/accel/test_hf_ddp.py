@@ -4,7 +4,8 @@
 buckets skipped, logged compression ratio ~32x in the 1-bit steps), the stock Trainer sends the library
 Trainer's bytes (comm_stats and the kernel's socket counters) and writes its checkpoints, and
 ``resume_from_checkpoint`` (every rank's own error-feedback state) ends bitwise equal to the
-uninterrupted run."""
+uninterrupted run. The three runs are phases of one launch (tests/accel/phases.py); the example is its own
+launch, run as users run it."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import torch
 
 pytest.importorskip("transformers")
 
+from tests.accel.phases import rank_results, run_phases  # noqa: E402
 from tests.distributed import run_torchrun  # noqa: E402
 
 SCRIPT = Path(__file__).with_name("hf_script.py")
@@ -24,20 +26,19 @@ COMMON = ["--optim", "onebit_adam", "--optim_args", "freeze_step=3,kahan_sum=Fal
           "--use_cpu", "--report_to", "none", "--seed", "0", "--max_grad_norm", "1.0"]
 
 
-def _torchrun(out: Path, *extra: str) -> list[dict]:
-    run_torchrun(SCRIPT, "--output_dir", out, *COMMON, *extra, cwd=REPO)
-    return [torch.load(out / f"result{r}.pt", weights_only=False) for r in range(2)]
+def _phase(out: Path, *extra: str) -> list[str]:
+    return ["--output_dir", str(out), *COMMON, *extra]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("hf")
-    library = _torchrun(tmp / "library")
-    stock = _torchrun(tmp / "stock", "--trainer", "stock")
-    resumed = _torchrun(tmp / "resumed", "--trainer", "stock", "--resume_from_checkpoint",
-                        str(tmp / "stock" / "checkpoint-4"))
-    return {"library": library, "stock": stock, "resumed": resumed, "dirs": {"library": tmp / "library",
-                                                                            "stock": tmp / "stock"}}
+    phases = {"library": _phase(tmp / "library"), "stock": _phase(tmp / "stock", "--trainer", "stock"),
+              "resumed": _phase(tmp / "resumed", "--trainer", "stock", "--resume_from_checkpoint",
+                                str(tmp / "stock" / "checkpoint-4"))}
+    run_phases(SCRIPT, list(phases.values()), cwd=REPO)
+    return {**{name: rank_results(tmp / name, "result") for name in phases},
+            "dirs": {"library": tmp / "library", "stock": tmp / "stock"}}
 
 
 @pytest.mark.parametrize("route", ["library", "stock"])

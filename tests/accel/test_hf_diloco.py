@@ -4,7 +4,8 @@ CPU), 12 optimizer steps of 2 accumulated micro-batches, sync_every=4: the prepa
 DiLoCo over HF's AdamW; the ranks' params agree right after each sync and differ between; the kernel's socket
 counters see nothing between syncs inside the steps (no DDP gradient all-reduce) and comm_stats' bytes at syncs;
 ``resume_from_checkpoint`` from checkpoint-6 (between syncs; written by ``accel_plugins.hf.Trainer``, resumed by
-the stock Trainer after ``register()``) continues bitwise on both ranks. Refusals run in this process."""
+the stock Trainer after ``register()``) continues bitwise on both ranks; the two runs are phases of one launch
+(tests/accel/phases.py). Refusals run in this process."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from tests.distributed import run_torchrun  # noqa: E402
+from tests.accel.phases import rank_results, run_phases  # noqa: E402
 from tests.wire import assert_quiet_between_syncs  # noqa: E402
 
 SCRIPT = Path(__file__).with_name("hf_diloco_script.py")
@@ -29,18 +30,19 @@ COMMON = ["--diloco_sync_every", str(SYNC_EVERY), "--max_steps", str(STEPS), "--
           "--average_tokens_across_devices", "False", "--ddp_find_unused_parameters", "False"]
 
 
-def _torchrun(out: Path, *extra: str) -> list[dict]:
-    run_torchrun(SCRIPT, "--output_dir", out, *COMMON, *extra, cwd=REPO)
-    return [torch.load(out / f"result{r}.pt", weights_only=False) for r in range(2)]
+def _phase(out: Path, *extra: str) -> list[str]:
+    return ["--output_dir", str(out), *COMMON, *extra]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("hf_diloco")
-    full = _torchrun(tmp / "full")
-    resumed = _torchrun(tmp / "resumed", "--trainer", "stock", "--resume_from_checkpoint",
-                        str(tmp / "full" / f"checkpoint-{SAVE_AT}"))
-    return {"full": full, "resumed": resumed, "checkpoint": tmp / "full" / f"checkpoint-{SAVE_AT}"}
+    checkpoint = tmp / "full" / f"checkpoint-{SAVE_AT}"
+    run_phases(SCRIPT, [_phase(tmp / "full"),
+                        _phase(tmp / "resumed", "--trainer", "stock", "--resume_from_checkpoint", str(checkpoint))],
+               cwd=REPO)
+    return {"full": rank_results(tmp / "full", "result"), "resumed": rank_results(tmp / "resumed", "result"),
+            "checkpoint": checkpoint}
 
 
 def test_the_trainer_steps_through_diloco_and_the_ranks_agree_right_after_each_sync(runs):
