@@ -42,28 +42,18 @@ from multiprocessing.connection import wait as wait_any
 import torch
 import torch.multiprocessing as tmp
 
+from tests.library_state import library_globals, reset_accelerate, restore_library_state
+
 LOG_ENV = "LIGHTNING_OPTIM_TEST_POOL_LOG"  # a file: one line per rank started, call run and rank retired
 START_TIMEOUT_S = 600.0  # starting a rank (importing torch and lightning_optim) on a loaded machine
 RELEASE_TIMEOUT_S = 60.0  # a released rank tearing its groups down; past it the rank is replaced (no error)
 ERROR_GRACE_S = 3.0  # after a rank fails: time for the others to report their own errors
 
-# lightning-optim modules whose globals are caches of the disk (the loaded extension), kept across calls
-_KEEP_GLOBALS = frozenset({"lightning_optim.ops._loader"})
-# process-wide objects lightning-optim mutates in place, emptied after every call (a fresh rank starts with
-# them empty): the byte counter behind comm_stats(), the compressed allreduce's plan and scratch caches
-_EMPTIED = (("lightning_optim.comm.stats", "_DEFAULT", "reset"), ("lightning_optim.comm.compressed", "_CACHE", "clear"),
-            ("lightning_optim.comm.plan", "_PLANS", "clear"))
 _SIGNALS = [getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2", "SIGHUP")
             if hasattr(signal, name)]
 
 
 # ---------------------------------------------------------------------------------------- rank side
-
-def _module_globals() -> dict[str, dict[str, object]]:
-    return {name: dict(vars(module)) for name, module in list(sys.modules.items())
-            if module is not None and name.split(".")[0] in ("lightning_optim", "accel_plugins")
-            and name not in _KEEP_GLOBALS}
-
 
 def _snapshot() -> dict:
     return dict(
@@ -92,31 +82,8 @@ def _restore(state: dict, module_globals: dict[str, dict[str, object]]) -> None:
     for sig, handler in state["signals"].items():
         if handler is not None and signal.getsignal(sig) is not handler:
             signal.signal(sig, handler)
-    _reset_accelerate()
-    for module_name, attribute, method in _EMPTIED:
-        target = getattr(sys.modules.get(module_name), attribute, None)
-        if target is not None:
-            getattr(target, method)()
-    # a module global rebound during the call (``set_collective_timeout``'s bound, a warn-once flag) goes
-    # back to its value after ``import lightning_optim``, which is what a fresh rank would see
-    for name, saved in module_globals.items():
-        module = sys.modules.get(name)
-        if module is None:
-            continue
-        current = vars(module)
-        for key, value in saved.items():
-            if current.get(key, saved) is not value:
-                current[key] = value
-
-
-def _reset_accelerate() -> None:
-    """Accelerate keeps its state in class-level singletons (the distributed type, the process group it
-    took, gradient accumulation): reset as Accelerate's own test suite resets them between tests, so the
-    next call's ``Accelerator()`` sets itself up as in a fresh process."""
-    state = sys.modules.get("accelerate.state")
-    if state is not None:
-        state.AcceleratorState._reset_state(reset_partial_state=True)
-        state.GradientState._reset_state()
+    reset_accelerate(keep_process_group=False)
+    restore_library_state(module_globals)
 
 
 def _reseed() -> None:
@@ -156,7 +123,7 @@ def _serve(rank: int, conn) -> None:
         import lightning_optim  # noqa: F401 - what nearly every call imports; its globals are the baseline
     except Exception:  # noqa: BLE001 - a call that needs it reports the import error itself
         pass
-    baseline = _module_globals()
+    baseline = library_globals()
     conn.send(("ready", os.getpid()))
     while True:
         try:

@@ -29,18 +29,16 @@ again, and the process group is already connected.
 from __future__ import annotations
 
 import gc
-import sys
 from pathlib import Path
 from typing import Iterable, Sequence
+
+from tests.library_state import KEPT_BY_DEFAULT, library_globals, reset_accelerate, restore_library_state
 
 SEPARATOR = "then"  # a bare word: torchrun hands it to the script untouched, and no option value is "then"
 
 # module globals kept across phases: the loaded C++ extension (a cache of the disk) and register()'s own record
 # of its patches (unregister() needs it; the HF scripts choose the route per phase themselves)
-_KEPT_MODULES = frozenset({"lightning_optim.ops._loader", "accel_plugins._hf_register"})
-# process-wide objects lightning-optim changes in place: (module, attribute, the method that empties it)
-_EMPTIED = (("lightning_optim.comm.stats", "_DEFAULT", "reset"), ("lightning_optim.comm.compressed", "_CACHE", "clear"),
-            ("lightning_optim.comm.plan", "_PLANS", "clear"))
+_KEPT_MODULES = KEPT_BY_DEFAULT | {"accel_plugins._hf_register"}
 
 _first_globals: dict[str, dict[str, object]] | None = None  # module globals as the first phase found them
 
@@ -88,15 +86,10 @@ def start_phase() -> None:
     """Put back the process-wide state a freshly launched rank starts with (see the module docstring)."""
     global _first_globals
     gc.collect()
-    _reset_accelerate()
-    for module_name, attribute, method in _EMPTIED:
-        target = getattr(sys.modules.get(module_name), attribute, None)
-        if target is not None:
-            getattr(target, method)()
+    reset_accelerate(keep_process_group=True)  # the launch's process group serves every phase
     if _first_globals is None:
-        _first_globals = _library_globals()
-    else:
-        _restore_globals(_first_globals)
+        _first_globals = library_globals(_KEPT_MODULES)
+    restore_library_state(_first_globals)
 
 
 def end_launch() -> None:
@@ -105,28 +98,3 @@ def end_launch() -> None:
     from accelerate import PartialState
 
     PartialState().destroy_process_group()
-
-
-def _reset_accelerate() -> None:
-    state = sys.modules.get("accelerate.state")
-    if state is not None:
-        state.AcceleratorState._reset_state(reset_partial_state=False)
-        state.GradientState._reset_state()
-
-
-def _library_globals() -> dict[str, dict[str, object]]:
-    return {name: dict(vars(module)) for name, module in list(sys.modules.items())
-            if module is not None and name.split(".")[0] in ("lightning_optim", "accel_plugins")
-            and name not in _KEPT_MODULES}
-
-
-def _restore_globals(saved_by_module: dict[str, dict[str, object]]) -> None:
-    """Globals rebound since they were saved go back (objects changed in place are ``_EMPTIED``'s business)."""
-    for name, saved in saved_by_module.items():
-        module = sys.modules.get(name)
-        if module is None:
-            continue
-        current = vars(module)
-        for key, value in saved.items():
-            if current.get(key, saved) is not value:
-                current[key] = value

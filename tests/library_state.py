@@ -1,0 +1,49 @@
+"""Process-wide state of lightning-optim (and Accelerate) that a long-lived test process puts back between
+runs, so each run starts as a freshly started process would: used by the persistent gloo ranks
+(``tests/worker_pool.py``) between calls and by the phased torchrun scripts (``tests/accel/phases.py``)
+between phases."""
+
+from __future__ import annotations
+
+import sys
+
+# lightning-optim modules whose globals are caches of the disk (the loaded extension): kept across runs
+KEPT_BY_DEFAULT = frozenset({"lightning_optim.ops._loader"})
+# process-wide objects lightning-optim mutates in place, emptied after every run (a fresh process starts with
+# them empty): the byte counter behind comm_stats(), the compressed allreduce's plan and scratch caches
+_EMPTIED = (("lightning_optim.comm.stats", "_DEFAULT", "reset"), ("lightning_optim.comm.compressed", "_CACHE", "clear"),
+            ("lightning_optim.comm.plan", "_PLANS", "clear"))
+
+
+def library_globals(kept: frozenset[str] = KEPT_BY_DEFAULT) -> dict[str, dict[str, object]]:
+    """The module globals of every imported lightning_optim / accel_plugins module but those in ``kept``."""
+    return {name: dict(vars(module)) for name, module in list(sys.modules.items())
+            if module is not None and name.split(".")[0] in ("lightning_optim", "accel_plugins")
+            and name not in kept}
+
+
+def restore_library_state(saved_globals: dict[str, dict[str, object]]) -> None:
+    """Empty the in-place caches and counters, and rebind every global rebound since ``saved_globals`` was
+    taken (``set_collective_timeout``'s bound, a warn-once flag) to its saved value."""
+    for module_name, attribute, method in _EMPTIED:
+        target = getattr(sys.modules.get(module_name), attribute, None)
+        if target is not None:
+            getattr(target, method)()
+    for name, saved in saved_globals.items():
+        module = sys.modules.get(name)
+        if module is None:
+            continue
+        current = vars(module)
+        for key, value in saved.items():
+            if current.get(key, saved) is not value:
+                current[key] = value
+
+
+def reset_accelerate(*, keep_process_group: bool) -> None:
+    """Accelerate keeps its state in class-level singletons (the distributed type, the process group it took,
+    gradient accumulation): reset as Accelerate's own tests reset them, so the next ``Accelerator()`` sets
+    itself up as in a fresh process (``keep_process_group``: ``PartialState``, which holds the group, stays)."""
+    state = sys.modules.get("accelerate.state")
+    if state is not None:
+        state.AcceleratorState._reset_state(reset_partial_state=not keep_process_group)
+        state.GradientState._reset_state()
