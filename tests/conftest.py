@@ -44,6 +44,44 @@ def _intra_op_threads():
             torch.set_num_threads(_THREADS)
 
 
+# The files whose time is mostly waiting on launched processes (torchrun, the main job's CLI, Lightning's own
+# launcher, timeouts by design), longest first, from --junitxml on the 2-core machine. The README's command
+# runs two pytest workers that take whole files in collection order (`--dist loadfile --no-loadscope-reorder`):
+# these go first, so the many short files fill the gaps beside them instead of one long file running alone at
+# the end. Only a schedule: a stale entry costs wall time, never a result.
+LONG_FILES_FIRST = (
+    "tests/lightning/test_main_job.py",
+    "tests/lightning/test_failures.py",
+    "tests/accel/test_hf_ddp.py",
+    "tests/test_train.py",
+    "tests/test_config_errors.py",
+    "tests/accel/test_accelerate.py",
+    "tests/accel/test_accelerate_precision.py",
+    "tests/test_config_schema.py",
+    "tests/ops/test_build_cache.py",
+    "tests/accel/test_hf_diloco.py",
+    "tests/test_packaging.py",
+    "tests/comm/test_harness.py",
+    "tests/distributed_optim/test_gossip.py",
+    "tests/comm/test_bounded.py",
+    "tests/lightning/test_registry.py",
+)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Long files first (``LONG_FILES_FIRST``); every other file keeps its place, each file's tests their order."""
+    root = Path(__file__).resolve().parent.parent
+    place = {name: i for i, name in enumerate(LONG_FILES_FIRST)}
+
+    def key(item) -> int:
+        try:
+            return place.get(Path(item.path).resolve().relative_to(root).as_posix(), len(place))
+        except ValueError:  # a test outside this checkout
+            return len(place)
+
+    items.sort(key=key)  # stable
+
+
 def pytest_sessionfinish(session, exitstatus):
     """Stop the persistent gloo ranks of ``tests.distributed.run_workers`` (if any were started)."""
     import sys

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import re
 import subprocess
-import sys
 
 import pytest
 from omegaconf import OmegaConf
 
 from lightning_optim.conf_dir import OPTIMIZER_ALIASES, conf_dir
 from lightning_optim.config_check import ConfigError, check_config
+from tests.cli import run_cli
 
 CONF = conf_dir()
 # A deprecated alias composes to its target's config (tests/test_configs.py): checked once, by its new name.
@@ -71,8 +71,7 @@ def test_scheduler_and_steps(compose_train):
 
 
 def _job(*overrides: str, cwd) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "lightning_optim.train", "trainer=smoke", *overrides],
-                          cwd=cwd, capture_output=True, text=True, timeout=300)
+    return run_cli(["trainer=smoke", *overrides], cwd=cwd, timeout=300)
 
 
 def test_the_job_exits_with_the_key_before_training(tmp_path):

@@ -12,7 +12,6 @@ from __future__ import annotations
 import copy
 import functools
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +22,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from lightning_optim.conf_dir import OPTIMIZER_ALIASES, conf_dir
 from lightning_optim.config_check import (SCHEMA, ConfigError, check_config, checked_datamodule, key_rules, resolved,
                                           trainer_error)
+from tests.cli import run_cli
 
 CONF = conf_dir()
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -318,8 +318,7 @@ def test_a_lightning_trainer_refusal_names_its_key(tmp_path: Path):
 
 # -------------------------------------------------------------------------------- the real job
 def _job(*overrides: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "lightning_optim.train", "hydra.run.dir=run", *overrides],
-                          cwd=cwd, capture_output=True, text=True, timeout=300)
+    return run_cli(["hydra.run.dir=run", *overrides], cwd=cwd, timeout=300)
 
 
 @pytest.mark.parametrize("overrides,message", [

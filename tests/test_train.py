@@ -8,7 +8,6 @@ import logging
 import math
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +17,7 @@ from omegaconf import OmegaConf
 from lightning_optim.config_check import ConfigError, check_config
 from lightning_optim.model import warmup_cosine
 from lightning_optim.train import ProgressBar, build_trainer, last_epoch, release_defaults, run
+from tests.cli import run_cli
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 # One process whatever the default strategy is: an in-process DDP launch would re-run pytest's argv.
@@ -142,10 +142,9 @@ def test_warmup_cosine_schedule():
 
 def test_cli_sweep_from_another_directory(compose_train, tmp_path: Path):
     """``-m`` runs one job per value, each writing its own outputs; cwd is not the repository."""
-    command = [sys.executable, "-m", "lightning_optim.train", "-m", "optimizer=adamw,sgd",
-               *FAST, "trainer.max_steps=3", f"hydra.sweep.dir={tmp_path / 'sweep'}"]
+    args = ["-m", "optimizer=adamw,sgd", *FAST, "trainer.max_steps=3", f"hydra.sweep.dir={tmp_path / 'sweep'}"]
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    result = run_cli(args, cwd=tmp_path, env=env, timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
     summaries = sorted((tmp_path / "sweep").glob("*/summary.json"))
     assert len(summaries) == 2
@@ -154,16 +153,14 @@ def test_cli_sweep_from_another_directory(compose_train, tmp_path: Path):
 
 
 def test_cli_reports_bad_data_path(tmp_path: Path):
-    command = [sys.executable, "-m", "lightning_optim.train", *FAST,
-               f"data.path={tmp_path / 'missing'}", f"hydra.run.dir={tmp_path / 'run'}"]
-    result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    args = [*FAST, f"data.path={tmp_path / 'missing'}", f"hydra.run.dir={tmp_path / 'run'}"]
+    result = run_cli(args, cwd=tmp_path, timeout=120)
     assert result.returncode != 0
     assert "data.path=" in result.stderr and "does not exist" in result.stderr
 
 
 def _cli(*args: str, cwd: Path, timeout: int = 240) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "lightning_optim.train", *args], cwd=cwd,
-                          capture_output=True, text=True, timeout=timeout)
+    return run_cli(list(args), cwd=cwd, timeout=timeout)
 
 
 def test_users_tree_beside_the_shipped_one(tmp_path: Path):
