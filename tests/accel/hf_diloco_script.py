@@ -21,7 +21,6 @@ resumed run.
 
 import gc
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -30,16 +29,11 @@ from transformers import GPT2Config, GPT2LMHeadModel, HfArgumentParser
 
 import accel_plugins.hf
 from lightning_optim.comm import comm_stats
-from lightning_optim.data import RandomWindows, load_corpus
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout, when run as a script
+from tests.accel.hf_route import ScriptArguments, training_data, use_route  # noqa: E402
 from tests.accel.phases import split_phases, start_phase  # noqa: E402
 from tests.wire import wire_bytes_sent  # noqa: E402
-
-
-@dataclass
-class ScriptArguments:
-    trainer: str = field(default="library", metadata={"choices": ["library", "stock"]})
 
 
 class Recorder(transformers.TrainerCallback):
@@ -57,21 +51,6 @@ class Recorder(transformers.TrainerCallback):
                           "params": torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])})
 
 
-def use_route() -> tuple[type, type]:
-    """The phase's ``--trainer`` read first (the stock parser must be built after register()); its classes."""
-    if HfArgumentParser(ScriptArguments).parse_known_args()[0].trainer == "stock":
-        accel_plugins.hf.register()
-        return transformers.TrainingArguments, transformers.Trainer
-    accel_plugins.hf.unregister()  # a library phase after a stock one: transformers as a fresh process has it
-    return accel_plugins.hf.TrainingArguments, accel_plugins.hf.Trainer
-
-
-def training_data() -> list[dict]:
-    train, _ = load_corpus(None, "*.py", max_bytes=100_000, val_fraction=0.1)
-    windows = RandomWindows(torch.frombuffer(bytearray(train), dtype=torch.uint8), 32, 512, seed=0)
-    return [{"input_ids": w[:32].long(), "labels": w[:32].long()} for w in (windows[i] for i in range(len(windows)))]
-
-
 def run_phase() -> None:
     """One user's run: parse the whole command line (``sys.argv``), train, save this rank's result."""
     start_phase()
@@ -82,7 +61,7 @@ def run_phase() -> None:
     model = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=32, n_embd=32, n_layer=1, n_head=2))
     diloco = diloco_args.callback()
     recorder = Recorder()
-    trainer = trainer_class(model=model, args=args, train_dataset=training_data(), callbacks=[diloco, recorder])
+    trainer = trainer_class(model=model, args=args, train_dataset=training_data(max_bytes=100_000), callbacks=[diloco, recorder])
     trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     torch.save({"params": [p.detach().clone() for p in model.parameters()], "trainer": type(trainer).__module__,
                 "rows": recorder.rows, "log": trainer.state.log_history, "inner_steps": diloco.diloco.inner_steps,

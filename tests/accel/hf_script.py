@@ -21,40 +21,17 @@ resumed run. The socket byte counts are the phase's own (differences within it).
 
 import gc
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import transformers
 from transformers import GPT2Config, GPT2LMHeadModel, HfArgumentParser
 
-import accel_plugins.hf
 from lightning_optim.comm import comm_stats
-from lightning_optim.data import RandomWindows, load_corpus
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout, when run as a script
+from tests.accel.hf_route import ScriptArguments, training_data, use_route  # noqa: E402
 from tests.accel.phases import split_phases, start_phase  # noqa: E402
 from tests.wire import wire_bytes_sent  # noqa: E402
-
-
-@dataclass
-class ScriptArguments:
-    trainer: str = field(default="library", metadata={"choices": ["library", "stock"]})
-
-
-def use_route() -> tuple[type, type]:
-    """The phase's ``--trainer`` read first (the stock parser must be built after register()); its classes."""
-    if HfArgumentParser(ScriptArguments).parse_known_args()[0].trainer == "stock":
-        accel_plugins.hf.register()
-        return transformers.TrainingArguments, transformers.Trainer
-    accel_plugins.hf.unregister()  # a library phase after a stock one: transformers as a fresh process has it
-    return accel_plugins.hf.TrainingArguments, accel_plugins.hf.Trainer
-
-
-def training_data() -> list[dict]:
-    train, _ = load_corpus(None, "*.py", max_bytes=200_000, val_fraction=0.1)
-    windows = RandomWindows(torch.frombuffer(bytearray(train), dtype=torch.uint8), 32, 512, seed=0)
-    return [{"input_ids": w[:32].long(), "labels": w[:32].long()} for w in (windows[i] for i in range(len(windows)))]
 
 
 def run_phase() -> None:
@@ -66,7 +43,7 @@ def run_phase() -> None:
     wire_at_start = wire_bytes_sent()
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=32, n_embd=64, n_layer=2, n_head=2))
-    trainer = trainer_class(model=model, args=args, train_dataset=training_data())
+    trainer = trainer_class(model=model, args=args, train_dataset=training_data(max_bytes=200_000))
     trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     handle = trainer._onebit_handle
     stats = comm_stats()
