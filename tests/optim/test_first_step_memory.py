@@ -97,6 +97,41 @@ def test_first_step_peak_within_torchs(spec, backend, monkeypatch):
         assert peak - state <= torch_peak - torch_state + 0.02 * state, detail
 
 
+def test_the_peak_reader_equals_the_profilers_memory_timeline():
+    """``peak_bytes`` sums the allocator's events itself; torch's memory timeline (the slow, categorised
+    reading of the same events) must give the same peak and kept bytes -- and both the arithmetic of a
+    known sequence of allocations."""
+    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler._memory_profiler import Action
+
+    kept = []
+
+    def sequence():
+        a, b = torch.empty(1000), torch.empty(3000)  # 16000 bytes alive
+        del a
+        kept.extend([b, torch.empty(500, dtype=torch.float64)])  # 12000 + 4000
+
+    def timeline(fn):
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
+                     with_stack=True) as prof:
+            fn()
+        live = peak = 0
+        for _, action, _, size in prof._memory_profile().timeline:
+            live += size if action == Action.CREATE else -size if action == Action.DESTROY else 0
+            peak = max(peak, live)
+        return peak, live
+
+    assert peak_bytes(sequence) == (16000, 16000)
+    for spec in (SPECS[0], next(s for s in SPECS if s.name == "Lamb")):
+        readings = []
+        for reader in (peak_bytes, timeline):
+            params = _params(torch.bfloat16)
+            opt = spec.cls(params, **spec.kwargs)
+            _set_grads(params, 0)
+            readings.append(reader(opt.step))
+        assert readings[0] == readings[1], f"{spec}: {readings}"
+
+
 CASES = [(spec.cls, spec.kwargs, str(spec)) for spec in SPECS] + [(cls, kw, cls.__name__) for cls, kw in ONEBIT]
 
 
