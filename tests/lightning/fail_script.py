@@ -19,6 +19,7 @@ import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout, when run as a script
+READY = "rank-1-is-up"  # in the job's working directory, which Lightning's launcher gives rank 1 too
 
 
 def main() -> None:
@@ -43,7 +44,8 @@ def main() -> None:
     class StopAnswering(pl.Callback):
         def _stop(self, trainer, step):
             if trainer.global_rank == 1 and step == args.at_step:
-                print(f"rank 1: stops answering at step {args.at_step} ({args.mode})", file=sys.stderr, flush=True)
+                print(f"rank 1: stops answering at step {args.at_step} ({args.mode}) at {time.time():.3f}", file=sys.stderr,
+                      flush=True)
                 if args.mode == "exit":
                     os._exit(3)
                 time.sleep(3600)
@@ -56,12 +58,14 @@ def main() -> None:
             if args.strategy == "diloco":
                 self._stop(trainer, trainer.global_step + 1)  # the step about to be taken
 
+    strategy = (OnebitAdamStrategy(freeze_step=2, timeout=args.timeout) if args.strategy == "onebit_adam"
+                else DiLoCoStrategy(sync_every=3, timeout=args.timeout))
+    _join_once_rank_1_is_up(strategy)
     model = LanguageModel(MODEL, SEQ_LEN, optimizer=functools.partial(torch.optim.AdamW, lr=3e-3), scheduler=None)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=2,
-        strategy=OnebitAdamStrategy(freeze_step=2, timeout=args.timeout) if args.strategy == "onebit_adam"
-        else DiLoCoStrategy(sync_every=3, timeout=args.timeout),
+        strategy=strategy,
         max_steps=50,
         limit_val_batches=0,
         logger=False,
@@ -71,6 +75,26 @@ def main() -> None:
         enable_model_summary=False,
     )
     trainer.fit(model, datamodule=ByteDataModule(**DATA))
+
+
+def _join_once_rank_1_is_up(strategy) -> None:
+    """``timeout`` bounds the rendezvous too, and what is under test is a rank lost mid-training: on a loaded
+    machine rank 1's fresh start (Lightning's launcher re-runs this script; importing Lightning) can take
+    longer than the bound. Rank 1 leaves a file once its imports are done; rank 0 joins the group after it."""
+    if os.environ.get("LOCAL_RANK", "0") != "0":
+        Path(READY).touch()
+        return
+    setup_environment = strategy.setup_environment  # after Lightning's launcher has started rank 1
+
+    def wait_then_setup() -> None:
+        deadline = time.monotonic() + 300
+        while not os.path.exists(READY):
+            if time.monotonic() > deadline:
+                raise TimeoutError("rank 1 did not start within 300 s")
+            time.sleep(0.1)
+        setup_environment()
+
+    strategy.setup_environment = wait_then_setup
 
 
 if __name__ == "__main__":
