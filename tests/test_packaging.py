@@ -102,11 +102,34 @@ def test_installed_wheel_runs_the_job(wheel: Path, tmp_path: Path):
 
 
 def test_import_is_cheap():
-    """``import lightning_optim`` must not pull in Lightning, Hydra, matplotlib or the training job."""
-    heavy = ("lightning", "hydra", "matplotlib", "lightning_optim.train")
-    code = f"import sys, lightning_optim; print(sorted(m for m in {heavy!r} if m in sys.modules))"
+    """``import lightning_optim`` must not pull in Lightning, Hydra, matplotlib or the training job; nor may
+    ``accel_plugins`` or the framework-free names of ``lightning_optim.data``/``.model`` (what Accelerate and
+    HF Trainer scripts import), every one of them."""
+    from lightning_optim import data, model
+
+    heavy = ("lightning", "pytorch_lightning", "hydra", "matplotlib", "lightning_optim.train")
+    imports = [f"from lightning_optim.{package.__name__.rsplit('.', 1)[1]} import {name}"
+               for package in (data, model) for name in package.__all__ if name not in package._LIGHTNING_NAMES]
+    code = "; ".join(["import sys, lightning_optim, accel_plugins", *imports,
+                      f"print(sorted(m for m in {heavy!r} if m in sys.modules))"])
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_the_lightning_classes_load_on_first_use():
+    """``lightning_optim.data.ByteDataModule`` and ``lightning_optim.model.LanguageModel`` (the names configs and
+    users give) resolve to the classes of the modules that import Lightning; ``dir()`` lists them."""
+    import lightning.pytorch as pl
+
+    from lightning_optim import data, model
+    from lightning_optim.data.datamodule import ByteDataModule
+    from lightning_optim.model.language_model import LanguageModel
+
+    assert data.ByteDataModule is ByteDataModule and issubclass(ByteDataModule, pl.LightningDataModule)
+    assert model.LanguageModel is LanguageModel and issubclass(LanguageModel, pl.LightningModule)
+    assert "ByteDataModule" in dir(data) and "LanguageModel" in dir(model)
+    with pytest.raises(AttributeError, match="has no attribute 'ByteDataModul'"):
+        data.ByteDataModul  # noqa: B018 - a typo still fails as it would without lazy names
 
 
 def test_wheel_ships_the_kernel_sources(wheel: Path):

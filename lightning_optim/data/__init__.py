@@ -1,0 +1,28 @@
+"""Byte-level text data for the demo job.
+
+``corpus`` is framework-free (torch only): `load_corpus`, `RandomWindows`, `EpochSeededSampler`, for
+Accelerate and HF Trainer scripts too. `ByteDataModule` wraps them for Lightning; it is imported on first
+use of the name, so ``from lightning_optim.data import RandomWindows`` does not import Lightning.
+"""
+
+from __future__ import annotations
+
+from lightning_optim.data.corpus import (
+    SKIPPED_DIRS,
+    EpochSeededSampler,
+    RandomWindows,
+    list_files,
+    load_corpus,
+    read_capped,
+    split_corpus,
+    stdlib_dir,
+)
+from lightning_optim.lazy_names import lazy_names
+
+_LIGHTNING_NAMES = {"ByteDataModule": "lightning_optim.data.datamodule"}
+
+__all__ = ["SKIPPED_DIRS", "EpochSeededSampler", "RandomWindows", "list_files", "load_corpus", "read_capped",
+           "split_corpus", "stdlib_dir", *_LIGHTNING_NAMES]
+
+
+__getattr__, __dir__ = lazy_names(__name__, _LIGHTNING_NAMES)

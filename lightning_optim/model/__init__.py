@@ -1,0 +1,19 @@
+"""A small decoder-only (GPT-style) byte language model for the demo job.
+
+``gpt`` is torch only: `ByteGPT`, `param_groups`, `warmup_cosine`, usable from Accelerate and HF Trainer
+scripts. `LanguageModel`, the LightningModule that trains it, is imported on first use of the name, so
+``from lightning_optim.model import ByteGPT`` does not import Lightning.
+"""
+
+from __future__ import annotations
+
+from lightning_optim.lazy_names import lazy_names
+from lightning_optim.model.gpt import VOCAB_SIZE, Block, ByteGPT, CausalSelfAttention, param_groups, warmup_cosine
+
+_LIGHTNING_NAMES = {"LanguageModel": "lightning_optim.model.language_model"}
+
+__all__ = ["VOCAB_SIZE", "Block", "ByteGPT", "CausalSelfAttention", "param_groups", "warmup_cosine",
+           *_LIGHTNING_NAMES]
+
+
+__getattr__, __dir__ = lazy_names(__name__, _LIGHTNING_NAMES)
