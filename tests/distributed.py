@@ -14,10 +14,11 @@ Where the ranks run:
   found it (environment, cwd, torch's global flags, lightning-optim's module globals and counters); a
   call that fails, dies or times out replaces its ranks. ``timeout`` counts from the moment the ranks
   are running (their start-up has its own bound);
-* ``fresh=True``: new processes (``spawn`` start method) for this call alone. The default where a rank
+* ``fresh=True``: new processes for this call alone (forked by the pool's preloaded fork server; ``spawn``ed
+  interpreters when the call gives ``env=``). The default where a rank
   is meant to die (``missing_ok=True``) or the call sets environment variables (``env=``: a module an
   earlier call imported would not read them again). Give it where a call's collectives are meant to time
-  out, or where it tests what happens at a process's start. ``LIGHTNING_OPTIM_TEST_POOL=0`` makes every
+  out. ``LIGHTNING_OPTIM_TEST_POOL=0`` makes every
   call fresh (and ``LIGHTNING_OPTIM_TEST_POOL_LOG=<file>`` logs the pool's starts, calls and retirements).
 
 Failure handling (both ways):
@@ -44,7 +45,6 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as tmp
 
 from tests import worker_pool
 
@@ -168,7 +168,7 @@ def run_workers(
             payload = pickle.dumps(dict(fn=fn, args=args, env=env, world_size=world_size, port=free_port(),
                                         pg_timeout=pg_timeout, environ=dict(os.environ), cwd=os.getcwd()))
         except (pickle.PicklingError, AttributeError, TypeError):
-            payload = None  # arguments only the spawn pickler takes (shared-memory handles): fresh processes
+            payload = None  # arguments only multiprocessing's pickler takes (shared-memory handles): fresh processes
         if payload is not None:
             try:
                 outcome = worker_pool.pool().run(world_size, fn.__name__, payload, timeout=timeout)
@@ -189,8 +189,8 @@ def run_workers(
 
 def _run_fresh(world_size: int, fn, args: tuple, *, timeout: float, env, pg_timeout: float,
                missing_ok: bool) -> tuple[dict, dict]:
-    """One fresh spawned process per rank; ``(outputs, errors)`` by rank."""
-    ctx = tmp.get_context("spawn")
+    """One new process per rank (``worker_pool.start_method``); ``(outputs, errors)`` by rank."""
+    ctx = worker_pool.start_method(env)
     results = ctx.Queue()
     all_reported = ctx.Event()
     port = free_port()

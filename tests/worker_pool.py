@@ -22,6 +22,13 @@ per-rank process state (Lightning's ``rank_zero_only.rank``) is what a fresh ran
 What a pool rank cannot give: a module imported by an earlier call is not imported again, so an environment
 variable read at import time keeps the value it had then (``run_workers`` therefore goes fresh for ``env=``).
 
+How a rank starts: forked by a *fork server* (multiprocessing's ``forkserver`` start method, one server per
+pytest process, started on first use) that imported ``PRELOAD`` once - torch, lightning-optim and Lightning,
+~7-10 s of CPU per interpreter on the 2-core machine - instead of a ``spawn``ed interpreter importing them
+again for every rank. The rank is still a new process (new pid, no state from earlier calls); what it
+cannot give is what an import decides: those modules read the environment of the pytest process when the
+server started. ``start_method(env)`` is therefore ``spawn`` for a fresh call with ``env=``.
+
 A call in which any rank fails, dies or times out kills that call's workers (the next call spawns new ones),
 so no group a failed collective left behind is ever reused. The parent treats results, tracebacks, deaths
 and timeouts exactly as the fresh-process path does (same messages).
@@ -48,6 +55,10 @@ LOG_ENV = "LIGHTNING_OPTIM_TEST_POOL_LOG"  # a file: one line per rank started, 
 START_TIMEOUT_S = 600.0  # starting a rank (importing torch and lightning_optim) on a loaded machine
 RELEASE_TIMEOUT_S = 60.0  # a released rank tearing its groups down; past it the rank is replaced (no error)
 ERROR_GRACE_S = 3.0  # after a rank fails: time for the others to report their own errors
+
+# What the fork server imports before it forks a rank: what nearly every call imports (the Lightning tests'
+# ranks import Lightning; the rest import lightning-optim, which imports torch).
+PRELOAD = ("tests.worker_pool", "lightning_optim", "lightning.pytorch")
 
 _SIGNALS = [getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2", "SIGHUP")
             if hasattr(signal, name)]
@@ -179,6 +190,18 @@ def _serve(rank: int, conn) -> None:
 
 # -------------------------------------------------------------------------------------- parent side
 
+def start_method(env: dict | None = None):
+    """The multiprocessing context ranks start from: the preloaded fork server; ``spawn`` when the call sets
+    environment variables (an import in the server read the environment before they were set). The server
+    runs from this process's cwd and environment: a preload it cannot import is skipped (the rank then
+    imports it itself), so the choice costs time, never a result."""
+    if env:
+        return tmp.get_context("spawn")
+    ctx = tmp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(PRELOAD))
+    return ctx
+
+
 def _rss_mib(pid: int) -> int | None:
     try:
         with open(f"/proc/{pid}/status") as f:
@@ -206,7 +229,7 @@ def record(outputs: dict, errors: dict, rank: int, kind: str, payload) -> bool:
 
 class _Rank:
     def __init__(self, rank: int) -> None:
-        ctx = tmp.get_context("spawn")
+        ctx = start_method()
         self.conn, child = ctx.Pipe(duplex=True)
         self.process = ctx.Process(target=_serve, args=(rank, child), daemon=True, name=f"pool-rank-{rank}")
         self.process.start()

@@ -152,3 +152,18 @@ def test_fresh_calls_get_new_processes():
     fresh = run_workers(2, _whoami, fresh=True)
     assert not {r["pid"] for r in pooled} & {r["pid"] for r in fresh}
     assert [r["threads"] for r in fresh] == [1, 1]
+
+
+def _imported_at_entry(rank, world_size):
+    import sys
+
+    return {"lightning": "lightning" in sys.modules, "env": os.environ.get("LO_HARNESS_PROBE")}
+
+
+def test_ranks_fork_from_the_preloaded_server_unless_the_call_sets_environment_variables():
+    # pool and fresh ranks are forked by a server that imported Lightning once; a call with env= gets new
+    # interpreters instead, whose imports all happen after the variables are set
+    assert [r["lightning"] for r in run_workers(2, _imported_at_entry)] == [True, True]
+    assert [r["lightning"] for r in run_workers(2, _imported_at_entry, fresh=True)] == [True, True]
+    with_env = run_workers(2, _imported_at_entry, env={"LO_HARNESS_PROBE": "set"})
+    assert with_env == [{"lightning": False, "env": "set"}] * 2
