@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.distributed import run_workers
-from tests.lightning.workers import CASES, RESUME_EPOCH, hierarchical
+from tests.lightning.workers import CASES, HIERARCHICAL_EPOCH, hierarchical
 
 WORLD = 4
 
@@ -40,7 +40,7 @@ def test_every_rank_holds_the_same_model(ranks, case):
     for step, params in ranks[0][case]["synced"].items():
         for r in range(1, WORLD):
             assert torch.equal(ranks[r][case]["synced"][step], params), (case, step, r)
-    assert len(ranks[0][case]["synced"]) >= RESUME_EPOCH  # synchronised often, in both stages
+    assert len(ranks[0][case]["synced"]) >= HIERARCHICAL_EPOCH  # synchronised often, in both stages
 
 
 @pytest.mark.parametrize("case", list(CASES))

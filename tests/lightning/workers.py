@@ -21,6 +21,7 @@ SEQ_LEN = 32
 DATA = dict(max_bytes=60_000, seq_len=SEQ_LEN, batch_size=8, val_windows=16, seed=1)
 SCHEDULER = {"warmup_steps": 2, "min_lr_ratio": 0.1}
 RESUME_EPOCH = 7  # steps per epoch; ModelCheckpoint saves after the last batch of every epoch
+HIERARCHICAL_EPOCH = 5  # the 4-rank runs: their checkpoint lands one step past every case's freeze step (4)
 
 # name -> (strategy class name, strategy kwargs, optimizer source)
 CASES: dict[str, tuple[str, dict[str, Any], str]] = {
@@ -202,14 +203,14 @@ def hierarchical(rank: int, world: int, tmp: str) -> dict[str, Any]:
 
     tmp = Path(tmp)
     out: dict[str, Any] = {}
-    common = dict(max_steps=2 * RESUME_EPOCH, limit_train_batches=RESUME_EPOCH)
+    common = dict(max_steps=2 * HIERARCHICAL_EPOCH, limit_train_batches=HIERARCHICAL_EPOCH)
     for case, (cls_name, kwargs, _) in CASES.items():
         def strategy():
             return getattr(strategies, cls_name)(**kwargs, timeout=60, hierarchical=True)
 
         full = _fit(rank, 2, case, tmp / case / "full", checkpoint_dir=str(tmp / case / "ckpts"), strategy=strategy(),
                     num_nodes=2, **common)
-        ckpt = str(tmp / case / "ckpts" / f"epoch=0-step={RESUME_EPOCH}.ckpt")
+        ckpt = str(tmp / case / "ckpts" / f"epoch=0-step={HIERARCHICAL_EPOCH}.ckpt")
         resumed = _fit(rank, 2, case, tmp / case / "resumed", ckpt_in=ckpt, strategy=strategy(), num_nodes=2, **common)
         out[case] = {**full, "resumed": resumed}
     return out
