@@ -102,12 +102,13 @@ def test_installed_wheel_runs_the_job(wheel: Path, tmp_path: Path):
 
 
 def test_import_is_cheap():
-    """``import lightning_optim`` must not pull in Lightning, Hydra, matplotlib or the training job; nor may
+    """``import lightning_optim`` must not pull in Lightning, Hydra, matplotlib, the training job or
+    ``torch._dynamo`` (a traced step imports it; seconds of every plain-torch process's start otherwise); nor may
     ``accel_plugins`` or the framework-free names of ``lightning_optim.data``/``.model`` (what Accelerate and
     HF Trainer scripts import), every one of them."""
     from lightning_optim import data, model
 
-    heavy = ("lightning", "pytorch_lightning", "hydra", "matplotlib", "lightning_optim.train")
+    heavy = ("lightning", "pytorch_lightning", "hydra", "matplotlib", "lightning_optim.train", "torch._dynamo")
     imports = [f"from lightning_optim.{package.__name__.rsplit('.', 1)[1]} import {name}"
                for package in (data, model) for name in package.__all__ if name not in package._LIGHTNING_NAMES]
     code = "; ".join(["import sys, lightning_optim, accel_plugins", *imports,

@@ -86,7 +86,15 @@ def backend_for(device: torch.device | str) -> str:
     return _backend_for_kind(torch.device(device).type)
 
 
-@torch.compiler.assume_constant_result
+def _constant_while_tracing(fn):
+    """``torch.compiler.assume_constant_result`` without its import of ``torch._dynamo`` (seconds of ``import
+    lightning_optim`` on plain torch): the mark dynamo reads when it meets the call while tracing
+    (tests/ops/test_custom_ops.py holds it to torch's own decorator)."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
+@_constant_while_tracing
 def _backend_for_kind(kind: str) -> str:
     """``backend_for`` by device type. torch.compile runs it once while tracing and keeps the answer
     as a constant, so the build, its file checks and the environment lookup stay out of the graph

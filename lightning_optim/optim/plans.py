@@ -66,7 +66,9 @@ class BucketPlans:
         # Under torch.compile this one-off (state creation, storage checks, packing) runs eagerly: one
         # graph break on the first step instead of tracing a zeros_like and a check per param.
         if torch.compiler.is_compiling():
-            return _build_plan_outside_graph(self, group, params, key, per_tensor)
+            from lightning_optim.optim.outside_graph import eagerly  # imports torch._dynamo
+
+            return eagerly(self._build_plan, group, params, key, per_tensor)
         return self._build_plan(group, params, key, per_tensor)
 
     def _build_plan(self, group: dict[str, Any], params: list[Tensor], key: tuple,
@@ -102,9 +104,6 @@ class BucketPlans:
         if torch.compiler.is_compiling():
             return None
         return self.__dict__.setdefault("_run_caches", {}).setdefault(id(first_state), {})
-
-
-_build_plan_outside_graph = torch.compiler.disable(BucketPlans._build_plan)
 
 
 def check_grad(grad: Tensor) -> None:

@@ -4,6 +4,7 @@ torch.compile traces our optimizer step without a graph break in lightning_optim
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -167,19 +168,40 @@ OPTIMIZERS = {
 }
 
 
+RECOMPILE_CHECKED = ["AdamW", "SGD", "Lion"]  # StableAdamW: its ops take float bias corrections
+
+
+@functools.cache
+def compiled_training(name: str) -> tuple[list[Tensor], list[int]]:
+    """Three compiled steps of ``name``'s tiny model (eight where the recompile test checks it), traced afresh:
+    the params after step 3 and the frames compiled by each step. One trace serves both tests below (it is
+    most of their time); CompileCounter runs the graph as backend="eager" does (``gm.forward``)."""
+    from torch._dynamo.testing import CompileCounter
+
+    cls, kwargs, _ = OPTIMIZERS[name]
+    step_fn, model = tiny_step(cls, **kwargs)
+    counter = CompileCounter()
+    compiled = torch.compile(step_fn, backend=counter)
+    torch._dynamo.reset()
+    params, frames = [], []
+    for i in range(8 if name in RECOMPILE_CHECKED else 3):
+        compiled()
+        frames.append(counter.frame_count)
+        if i == 2:
+            params = [p.detach().clone() for p in model.parameters()]
+    return params, frames
+
+
 @needs_dynamo
 @pytest.mark.parametrize("name", OPTIMIZERS)
 def test_compiled_step_equals_eager_bitwise(ext, use_backend, name):
     use_backend("cpu")
     cls, kwargs, _ = OPTIMIZERS[name]
     eager_fn, eager_model = tiny_step(cls, **kwargs)
-    compiled_fn, compiled_model = tiny_step(cls, **kwargs)
-    compiled = torch.compile(compiled_fn, backend="eager")
-    torch._dynamo.reset()
     for _ in range(3):
         eager_fn()
-        compiled()
-    for p, q in zip(eager_model.parameters(), compiled_model.parameters()):
+    compiled_params, _ = compiled_training(name)
+    for p, q in zip(eager_model.parameters(), compiled_params):
         assert torch.equal(p, q)
     assert not torch.equal(eager_model[0].weight, tiny_step(cls, **kwargs)[1][0].weight)  # it did train
 
@@ -207,23 +229,13 @@ def test_no_graph_break_in_lightning_optim(ext, use_backend, name):
 
 
 @needs_dynamo
-@pytest.mark.parametrize("name", ["AdamW", "SGD", "Lion"])  # StableAdamW: its ops take float bias corrections
+@pytest.mark.parametrize("name", RECOMPILE_CHECKED)
 def test_later_steps_do_not_recompile(ext, use_backend, name):
     """The step count changes every step: it must reach the graph symbolically, not as a constant."""
-    from torch._dynamo.testing import CompileCounter
-
     use_backend("cpu")
-    cls, kwargs, _ = OPTIMIZERS[name]
-    step_fn, _ = tiny_step(cls, **kwargs)
-    counter = CompileCounter()
-    compiled = torch.compile(step_fn, backend=counter)
-    torch._dynamo.reset()
-    for _ in range(3):  # the first step, then the one where the step count turns dynamic
-        compiled()
-    frames = counter.frame_count
-    for _ in range(5):
-        compiled()
-    assert counter.frame_count == frames
+    _, frames = compiled_training(name)
+    # steps 1-3: the first step, then the one where the step count turns dynamic; none compiles in 4-8
+    assert len(frames) == 8 and frames[-1] == frames[2], frames
 
 
 @needs_dynamo
@@ -248,3 +260,17 @@ def test_eager_step_does_not_use_the_dispatcher(ext, use_backend, monkeypatch):
     step_fn()
     assert called == []
     assert ops.backend_for("cpu") == "cpu"
+
+
+def test_the_constant_mark_is_torchs_own():
+    """``ops`` marks its backend lookup as dynamo's ``assume_constant_result`` does, without importing dynamo at
+    import time: the same attributes on the function (a torch that marks differently fails here)."""
+    from lightning_optim.ops import _constant_while_tracing
+
+    def ours():
+        return "cpu"
+
+    def torchs():
+        return "cpu"
+
+    assert vars(_constant_while_tracing(ours)) == vars(torch.compiler.assume_constant_result(torchs)) != {}
