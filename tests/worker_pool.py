@@ -1,4 +1,4 @@
-"""Persistent gloo ranks for ``tests.distributed.run_workers``: spawned once per pytest process, reused by
+"""Persistent gloo ranks for ``tests.distributed.run_workers``: started once per pytest process, reused by
 every call, so a call pays for a process group instead of for starting Python and importing torch,
 Lightning and the tested modules again on every rank.
 
