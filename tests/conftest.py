@@ -50,21 +50,21 @@ def _intra_op_threads():
 # these go first, so the many short files fill the gaps beside them instead of one long file running alone at
 # the end. Only a schedule: a stale entry costs wall time, never a result.
 LONG_FILES_FIRST = (
+    "tests/test_cli_harness.py",
     "tests/lightning/test_main_job.py",
-    "tests/lightning/test_failures.py",
     "tests/accel/test_hf_ddp.py",
-    "tests/test_train.py",
-    "tests/test_config_errors.py",
     "tests/accel/test_accelerate.py",
-    "tests/accel/test_accelerate_precision.py",
-    "tests/test_config_schema.py",
     "tests/ops/test_build_cache.py",
-    "tests/accel/test_hf_diloco.py",
     "tests/test_packaging.py",
+    "tests/lightning/test_failures.py",
     "tests/comm/test_harness.py",
-    "tests/distributed_optim/test_gossip.py",
-    "tests/comm/test_bounded.py",
+    "tests/test_train.py",
     "tests/lightning/test_registry.py",
+    "tests/distributed_optim/test_gossip.py",
+    "tests/test_config_errors.py",
+    "tests/test_config_schema.py",
+    "tests/comm/test_bounded.py",
+    "tests/lightning/test_comm_hook_strategies.py",
 )
 
 

@@ -75,15 +75,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_torchrun(script, *args: str, cwd, nproc: int = 2, timeout: float = 300):
+def run_torchrun(script, *args: str, cwd, nproc: int = 2, timeout: float = 300, fresh: bool = False):
     """``python -m torch.distributed.run --nproc_per_node N script *args`` (the way users launch), on a
-    free port; returns the finished process after asserting it succeeded (stderr's tail otherwise)."""
+    free port; returns the finished process after asserting it succeeded (stderr's tail otherwise).
+
+    torchrun and its ranks are forked from ``tests.cli``'s zygote (the ranks through torchrun's own
+    ``PYTHON_EXEC``: ``tests/forked_python.py``), which imported torch, Lightning, transformers, Accelerate and
+    lightning-optim once; ``fresh=True``: new interpreters, as a user's shell starts them (the examples' tests)."""
     import subprocess
     import sys
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
-           str(free_port()), str(script), *map(str, args)]
-    done = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    torchrun_args = ["--nproc_per_node", str(nproc), "--master_port", str(free_port()), str(script), *map(str, args)]
+    if fresh:
+        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", *torchrun_args], cwd=cwd,
+                              capture_output=True, text=True, timeout=timeout)
+    else:
+        from tests.cli import forked_python, run_module
+
+        done = run_module("torch.distributed.run", torchrun_args, cwd=cwd, timeout=timeout,
+                          env={**os.environ, "PYTHON_EXEC": forked_python()})
     assert done.returncode == 0, done.stderr[-4000:]
     return done
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cli import JOB, run_cli, run_module, zygote_pid
+from tests.cli import JOB, forked_python, run_cli, run_module, set_by_imports, zygote_pid
 
 PROBE = "cli_harness_probe"
 PROBE_SOURCE = '''
@@ -47,10 +47,43 @@ elif command == "zygote":  # what the run inherited from the zygote
     print(json.dumps({"preloaded": "lightning" in sys.modules and "hydra" in sys.modules,
                       "threads": threading.active_count(), "distributed": torch.distributed.is_initialized(),
                       "rank_command": list(_basic_subprocess_cmd())}))
-elif command == "hang":  # a process of its own, then wait
+elif command == "hang":  # a process of its own and a rank launched from sys.executable, then wait
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
     print(child.pid, flush=True)
+    rank = subprocess.Popen([sys.executable, "-m", "cli_harness_probe", "sleep"])
     time.sleep(300)
+elif command == "parent":
+    print(os.getppid(), flush=True)
+elif command == "sleep":  # a launched rank that waits
+    print(os.getpid(), flush=True)
+    time.sleep(300)
+elif command == "rank":  # what a launched rank sees: torch's threads, Lightning's rank where asked (its import is long)
+    import torch
+    import __main__
+    if sys.argv[2:] == ["lightning"]:
+        from lightning.fabric.utilities.rank_zero import rank_zero_only
+    else:
+        rank_zero_only = None
+    print(json.dumps({
+        "argv": sys.argv, "orig_argv": sys.orig_argv[1:], "name": __name__, "file": __main__.__file__,
+        "spec": getattr(__main__.__spec__, "name", None), "cwd": os.getcwd(), "path": sys.path,
+        "environ": {k: v for k, v in os.environ.items() if not k.startswith("LIGHTNING_OPTIM_TEST_ZYGOTE")},
+        "stdin": sys.stdin.read(), "threads": torch.get_num_threads(), "rank_zero_only": getattr(rank_zero_only, "rank", None),
+    }), flush=True)
+    print("its stderr", file=sys.stderr)
+    raise SystemExit(int(os.environ["RANK"]) + 4)
+elif command == "launch":  # as Lightning's launcher (-m) and torchrun (-u script) start ranks
+    for rank, command in enumerate([["-m", "cli_harness_probe", "rank", "lightning"],
+                                    ["-u", os.path.abspath(__file__), "rank"]], start=1):
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "OMP_NUM_THREADS": "1"}
+        done = subprocess.run([sys.executable, *command], env=env, capture_output=True, text=True, input="in")
+        report, *rest = done.stdout.splitlines()
+        print(json.dumps([done.returncode, json.loads(report), rest, done.stderr]), flush=True)
+    for signum in (15, 9):  # a rank killed by its launcher (SIGTERM) and by a signal of its own
+        rank = subprocess.Popen([sys.executable, "-m", "cli_harness_probe", "sleep"], stdout=subprocess.PIPE)
+        pid = int(rank.stdout.readline())
+        (rank.terminate() if signum == 15 else os.kill(pid, 9))
+        print(json.dumps([rank.wait(), pid]), flush=True)
 '''
 
 
@@ -63,7 +96,9 @@ def probe_dir(tmp_path: Path) -> Path:
 
 def fresh(module: str, args: list[str], cwd: Path, env: dict[str, str] | None = None,
           timeout: float = 240) -> subprocess.CompletedProcess:
-    """The same command in a fresh interpreter (stdin /dev/null, as the forked run has)."""
+    """The same command in a fresh interpreter (stdin /dev/null, as the forked run has); the environment is
+    ``os.environ`` unless given, as ``run_module``'s (the C library's may hold more: readline's LINES)."""
+    env = dict(os.environ) if env is None else env
     return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=env, stdin=subprocess.DEVNULL,
                           capture_output=True, text=True, timeout=timeout)
 
@@ -80,13 +115,16 @@ def test_the_run_sees_what_a_fresh_interpreter_sees(probe_dir: Path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(["extra", "/nowhere"]), "CLI_PROBE": "yes",
            "PYTHONWARNINGS": "ignore::DeprecationWarning,error::ResourceWarning"}
     args = ["report", "--flag", "value with spaces"]
-    forked, expected = run_module(PROBE, args, cwd=probe_dir, env=env), fresh(PROBE, args, probe_dir, env)
+    forked = run_module(PROBE, args, cwd=probe_dir, env=env, fork_launched=False)  # sys.executable: the real one
+    expected = fresh(PROBE, args, probe_dir, env)
     assert expected.returncode == 0, expected.stderr
     seen, fresh_seen = (json.loads(run.stdout.splitlines()[0]) for run in (forked, expected))
-    # the fresh interpreter has only start-up's filters; the forked run has the zygote's imports' above them
+    # the fresh interpreter has only start-up's filters; the forked run has the zygote's imports' around them
     filters, fresh_filters = seen.pop("filters"), fresh_seen.pop("filters")
-    assert filters[-len(fresh_filters):] == fresh_filters and "ResourceWarning" in fresh_filters[0]
-    assert seen == fresh_seen
+    n = len(fresh_filters)
+    assert any(filters[i:i + n] == fresh_filters for i in range(len(filters) - n + 1))
+    assert "ResourceWarning" in fresh_filters[0]
+    assert _less_what_the_zygote_imported(seen, fresh_seen) == fresh_seen
     assert seen["path"][:3] == [str(probe_dir), str(probe_dir / "extra"), "/nowhere"]
     assert forked.args == expected.args and forked.returncode == expected.returncode == 0
     assert forked.stderr == expected.stderr == "its stderr\n"
@@ -106,11 +144,47 @@ def test_exit_statuses_and_tracebacks_match(probe_dir: Path, args: list[str]):
 
 def test_the_zygote_preloaded_and_stays_fork_safe(probe_dir: Path):
     """The run finds the job's libraries imported, one thread, no process group; Lightning's launcher would
-    start the other ranks as ``python -m <the module> <its args>``; the zygote itself stays single-threaded."""
+    start the other ranks as ``<tests/forked_python.py's executable> -m <the module> <its args>``; the zygote
+    itself stays single-threaded."""
     seen = json.loads(run_module(PROBE, ["zygote", "x=1"], cwd=probe_dir).stdout.splitlines()[0])
     assert seen == {"preloaded": True, "threads": 1, "distributed": False,
-                    "rank_command": [sys.executable, "-m", PROBE, "zygote", "x=1"]}
+                    "rank_command": [forked_python(), "-m", PROBE, "zygote", "x=1"]}
     assert os.listdir(f"/proc/{zygote_pid()}/task") == [str(zygote_pid())]
+
+
+@pytest.mark.slow
+def test_a_launched_rank_sees_what_a_fresh_rank_sees(probe_dir: Path):
+    """A run starts ranks from ``sys.executable`` as Lightning's launcher (``-m module``) and torchrun (``-u
+    script``) do, with a rank's environment (RANK, LOCAL_RANK, OMP_NUM_THREADS=1): forked through
+    tests/forked_python.py they see what fresh interpreters see - argv, __main__, sys.path, environ, stdin,
+    Lightning's import-time ``rank_zero_only.rank``, torch's intra-op threads - and give the same output and exit
+    status; a rank its launcher terminates (SIGTERM) or that is killed (SIGKILL) ends as a killed one does."""
+    forked, expected = run_module(PROBE, ["launch"], cwd=probe_dir), fresh(PROBE, ["launch"], probe_dir)
+    assert expected.returncode == 0, expected.stderr[-3000:]
+    assert forked.returncode == 0, forked.stderr[-3000:]
+    ranks, fresh_ranks = ([json.loads(line) for line in run.stdout.splitlines()[:4]] for run in (forked, expected))
+    assert forked.stdout.splitlines()[4:] == expected.stdout.splitlines()[4:] == ["an atexit handler ran"]
+    for rank, fresh_rank in zip(ranks[:2], fresh_ranks[:2]):
+        assert [*rank[:1], _less_what_the_zygote_imported(rank[1], fresh_rank[1]), *rank[2:]] == fresh_rank
+    assert [r[0] for r in ranks[:2]] == [5, 6] and ranks[0][1]["rank_zero_only"] == 1
+    assert all(r[1]["threads"] == 1 for r in ranks[:2]) and ranks[0][1]["spec"] == PROBE
+    assert [r[0] for r in ranks[2:]] == [r[0] for r in fresh_ranks[2:]] == [-15, -9]
+    assert all(_ends(pid) for _, pid in ranks[2:])
+
+
+def test_launched_ranks_fork_from_the_zygote(probe_dir: Path):
+    """The ranks a forked run launches are the zygote's children (no new interpreter), and a command line the
+    stand-in does not handle (``-c``) runs the real interpreter."""
+    script = ("import os, subprocess, sys; print(os.getppid(), flush=True);"
+              "subprocess.run([sys.executable, '-m', 'cli_harness_probe', 'parent']);"
+              "subprocess.run([sys.executable, '-c', 'import os, sys; print(os.getppid(), sys.executable)'])")
+    (probe_dir / "launcher.py").write_text(script)
+    run = run_module("launcher", [], cwd=probe_dir)
+    assert run.returncode == 0, run.stderr
+    launcher, launched, _, real = run.stdout.splitlines()  # _: the launched probe's atexit line
+    assert launcher == launched == str(zygote_pid())  # the launcher and the rank it launched: forked
+    parent, executable = real.split()
+    assert parent != str(zygote_pid()) and executable == sys.executable  # -c: a real child of the launcher
 
 
 def test_a_timeout_kills_the_run_and_what_it_started(probe_dir: Path):
@@ -119,9 +193,19 @@ def test_a_timeout_kills_the_run_and_what_it_started(probe_dir: Path):
         run_module(PROBE, ["hang"], cwd=probe_dir, timeout=5)
     assert 5 <= time.monotonic() - started < 60
     assert info.value.cmd == [sys.executable, "-m", PROBE, "hang"] and info.value.timeout == 5
-    grandchild = int(info.value.output.split()[0])  # bytes, as subprocess.run's TimeoutExpired carries
-    assert _ends(grandchild), f"process {grandchild}, started by the timed-out run, still runs"
+    started = [int(pid) for pid in info.value.output.split()]  # bytes, as subprocess.run's TimeoutExpired carries
+    assert len(started) == 2  # a process of its own, a rank launched through tests/forked_python.py
+    for pid in started:
+        assert _ends(pid), f"process {pid}, started by the timed-out run, still runs"
     assert run_module(PROBE, ["exit", "0"], cwd=probe_dir).returncode == 0  # the zygote serves on
+
+
+def _less_what_the_zygote_imported(seen: dict, fresh_seen: dict) -> dict:
+    """A forked run's report less the environment variables the zygote's imports set that the fresh run's
+    imports did not set (a probe that imports no Lightning: no Lightning variables)."""
+    imported = {k: v for k, v in seen["environ"].items() if k not in fresh_seen["environ"]}
+    assert imported.items() <= set_by_imports().items()
+    return {**seen, "environ": {k: v for k, v in seen["environ"].items() if k not in imported}}
 
 
 def _ends(pid: int, within_s: float = 10) -> bool:

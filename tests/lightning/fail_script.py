@@ -79,12 +79,14 @@ def main() -> None:
 
 def _join_once_rank_1_is_up(strategy) -> None:
     """``timeout`` bounds the rendezvous too, and what is under test is a rank lost mid-training: on a loaded
-    machine rank 1's fresh start (Lightning's launcher re-runs this script; importing Lightning) can take
-    longer than the bound. Rank 1 leaves a file once its imports are done; rank 0 joins the group after it."""
-    if os.environ.get("LOCAL_RANK", "0") != "0":
-        Path(READY).touch()
-        return
+    machine rank 1's start (Lightning's launcher re-runs this script; its imports, model and Trainer) can take
+    longer than the bound. Rank 1 leaves a file as it joins the group; rank 0 joins once the file is there, so
+    the bound only has to cover the two joins and the steps before the hang."""
     setup_environment = strategy.setup_environment  # after Lightning's launcher has started rank 1
+
+    def ready_then_setup() -> None:
+        Path(READY).touch()
+        setup_environment()
 
     def wait_then_setup() -> None:
         deadline = time.monotonic() + 300
@@ -94,7 +96,7 @@ def _join_once_rank_1_is_up(strategy) -> None:
             time.sleep(0.1)
         setup_environment()
 
-    strategy.setup_environment = wait_then_setup
+    strategy.setup_environment = wait_then_setup if os.environ.get("LOCAL_RANK", "0") == "0" else ready_then_setup
 
 
 if __name__ == "__main__":

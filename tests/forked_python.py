@@ -1,0 +1,110 @@
+"""The ``python`` that launchers run in the tests: a rank forked from this pytest process's zygote (tests/cli.py).
+
+A launcher starts its ranks as ``<python> -u script.py args`` (torchrun; its ``PYTHON_EXEC`` names the
+interpreter) or ``<python> -m module args`` (Lightning's launcher: ``sys.executable`` of rank 0). When that
+``<python>`` is the small executable :func:`write_executable` writes, the command runs this module's
+:func:`main` instead of a new interpreter: it asks the zygote (over the Unix socket named by ``SOCKET_ENV`` in
+its environment) to fork a child that becomes that command - with this client's stdin/stdout/stderr, its
+environment and cwd - and then stands in for it towards the launcher:
+
+* it is the launcher's child, so the launcher's ``Popen`` waits on it, polls it and signals it as it would the
+  interpreter; signals it gets (SIGTERM, SIGINT, ...) are passed to the rank's process group;
+* its exit status is the rank's (a rank killed by a signal: the client kills itself with that signal);
+* if it dies itself (SIGKILL), the zygote kills the rank; when the test's run ends the zygote kills any rank it
+  forked for that run that is still alive (``RUN_ENV``), as ``tests.cli`` kills "the run and what it started".
+
+What a forked rank gives and lacks is what ``tests.cli``'s forked runs give and lack (its docstring); the two
+import-time decisions that differ between ranks of one launch - Lightning's ``rank_zero_only.rank`` (from
+RANK/LOCAL_RANK) and the intra-op threads (torchrun's ``OMP_NUM_THREADS=1``) - are made again from the rank's
+environment. A command line this client does not handle (anything but ``[-u] -m module ...`` and
+``[-u] script ...``) or a zygote that cannot be reached runs the real interpreter instead (``os.execv``): never a wrong run, at worst a
+slower one.
+
+Stdlib only: the executable starts this module with ``python -S`` (no site-packages: ~20 ms).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import sys
+from pathlib import Path
+
+SOCKET_ENV = "LIGHTNING_OPTIM_TEST_ZYGOTE_SOCKET"  # where the zygote takes launched ranks' requests
+RUN_ENV = "LIGHTNING_OPTIM_TEST_ZYGOTE_RUN"  # which test run a launched rank belongs to (killed with it)
+_FORWARDED = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
+_MESSAGE_BYTES = 1 << 20
+
+
+def write_executable(folder: Path, real_python: str, repo_root: Path) -> Path:
+    """An executable ``folder/python`` that runs :func:`main` (the launcher's view: an interpreter)."""
+    path = folder / "python"
+    path.write_text(f"#!{real_python} -S\n"
+                    "import sys\n"
+                    f"sys.path.insert(0, {str(repo_root)!r})\n"
+                    "from tests.forked_python import main\n"
+                    f"main({real_python!r}, sys.argv[1:])\n")
+    path.chmod(0o755)
+    return path
+
+
+def parse_command(argv: list[str]) -> dict | None:
+    """``[-u] (-m module | script) args...`` as a request ({"module"|"script", "args", "unbuffered"}); None
+    for any other command line."""
+    unbuffered = False
+    rest = list(argv)
+    while rest and rest[0] == "-u":
+        unbuffered = True
+        rest.pop(0)
+    if len(rest) >= 2 and rest[0] == "-m":
+        return {"module": rest[1], "args": rest[2:], "unbuffered": unbuffered}
+    if rest and not rest[0].startswith("-"):
+        return {"script": os.path.abspath(rest[0]), "args": rest[1:], "unbuffered": unbuffered}
+    return None
+
+
+def main(real_python: str, argv: list[str]) -> None:
+    request = parse_command(argv)
+    path = os.environ.get(SOCKET_ENV)
+    if request is None or not path:
+        _exec_real(real_python, argv)
+    connection = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        connection.connect(path)
+    except OSError:  # the zygote is gone (its test session ended): a real interpreter
+        _exec_real(real_python, argv)
+    request.update(cwd=os.getcwd(), env=dict(os.environ), executable=os.path.abspath(sys.argv[0]))
+    socket.send_fds(connection, [json.dumps(request).encode()], [0, 1, 2])
+    pid = _receive(connection)["pid"]
+    for name in _FORWARDED:
+        signal.signal(getattr(signal, name), lambda signum, frame: _pass_on(pid, signum))
+    returncode = _receive(connection)["returncode"]
+    if returncode < 0:  # the rank was killed by a signal: so is its stand-in
+        try:
+            signal.signal(-returncode, signal.SIG_DFL)
+        except (OSError, ValueError):  # SIGKILL, SIGSTOP: no handler to take back
+            pass
+        os.kill(os.getpid(), -returncode)
+        returncode = 128 - returncode
+    os._exit(returncode)
+
+
+def _receive(connection: socket.socket) -> dict:
+    message = connection.recv(_MESSAGE_BYTES)
+    if not message:
+        sys.stderr.write("tests.forked_python: the zygote closed the connection\n")
+        os._exit(1)
+    return json.loads(message)
+
+
+def _pass_on(pid: int, signum: int) -> None:
+    try:
+        os.killpg(pid, signum)  # the rank leads its own process group (and what it started is in it)
+    except ProcessLookupError:
+        pass
+
+
+def _exec_real(real_python: str, argv: list[str]) -> None:
+    os.execv(real_python, [real_python, *argv])
