@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import pytest
-from hydra import compose, initialize_config_dir
-from omegaconf import DictConfig
 
-from lightning_optim.conf_dir import conf_dir
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
 
 
 def pytest_configure(config):
@@ -22,6 +21,8 @@ def pytest_configure(config):
     global _THREADS
     import os
 
+    if config.getoption("numprocesses", None) and not hasattr(config, "workerinput"):
+        return  # pytest-xdist's controller runs no test: no torch import before it starts the workers
     import torch
 
     if not os.environ.get("OMP_NUM_THREADS"):
@@ -91,11 +92,11 @@ def pytest_sessionfinish(session, exitstatus):
         pool.shutdown()
 
 
-_COMPOSED: dict[tuple[str, ...], DictConfig] = {}  # overrides -> the composed config (never handed out itself)
+_COMPOSED: dict[tuple[str, ...], "DictConfig"] = {}  # overrides -> the composed config (never handed out itself)
 
 
 @pytest.fixture
-def compose_train() -> Callable[..., DictConfig]:
+def compose_train() -> Callable[..., "DictConfig"]:
     """Compose ``train.yaml`` with the given overrides, as the command line would.
 
     Each distinct list of overrides is composed once per session (Hydra's compose takes ~0.1 s, and the
@@ -104,6 +105,10 @@ def compose_train() -> Callable[..., DictConfig]:
     (``${oc.env:...}`` reads the environment when the test resolves it, as before)."""
 
     def _compose(*overrides: str) -> DictConfig:
+        from hydra import compose, initialize_config_dir
+
+        from lightning_optim.conf_dir import conf_dir
+
         key = tuple(overrides)
         if key not in _COMPOSED:
             with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
