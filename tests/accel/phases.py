@@ -1,8 +1,9 @@
 """Several runs ("phases") in one ``torchrun`` launch, for the scripts of tests/accel.
 
-Starting torchrun and two ranks that import torch, accelerate, transformers and lightning_optim costs ~5-7 s of
-CPU per rank before any work, so a test file that needs several runs of one script (a full run, the run resumed
-from its checkpoint, another route) launches it once with a list of phases: each phase is the argument list one
+Starting torchrun and two ranks costs ~5-7 s of CPU per rank before any work in fresh interpreters (importing
+torch, accelerate, transformers and lightning_optim) and still ~1 s per launch forked from the zygote (what
+``run_torchrun`` does), so a test file that needs several runs of one script (a full run, the run resumed from
+its checkpoint, another route) launches it once with a list of phases: each phase is the argument list one
 launch took before, and ``then`` separates them:
 
     python -m torch.distributed.run --nproc_per_node 2 script.py OUT/full save_at=6 then OUT/resumed load=... start=6
