@@ -131,8 +131,11 @@ class _Server:
     def _start(self, request: dict[str, Any], fds: list[int], reply_to: socket.socket) -> int:
         pid = os.fork()
         if pid == 0:
-            for key in list(self.selector.get_map().values()):
-                key.fileobj.close() if isinstance(key.fileobj, socket.socket) else os.close(key.fd)
+            for key in list(self.selector.get_map().values()):  # the zygote's sockets and pidfds: not the child's
+                if isinstance(key.fileobj, socket.socket):
+                    key.fileobj.close()
+                else:
+                    os.close(key.fd)
             self.selector.close()
             _child(request, fds, *self.startup)
         _own_group(pid)
