@@ -81,19 +81,16 @@ def run_torchrun(script, *args: str, cwd, nproc: int = 2, timeout: float = 300, 
 
     torchrun and its ranks are forked from ``tests.cli``'s zygote (the ranks through torchrun's own
     ``PYTHON_EXEC``: ``tests/forked_python.py``), which imported torch, Lightning, transformers, Accelerate and
-    lightning-optim once; ``fresh=True``: new interpreters, as a user's shell starts them (the examples' tests)."""
-    import subprocess
-    import sys
+    lightning-optim once. ``fresh=True`` (the examples' tests): rank 0 is a new interpreter, as a user's shell
+    starts it - the script's imports and start-up from nothing - the other ranks forked as usual."""
+    from tests.cli import forked_python, run_module
+    from tests.forked_python import FRESH_RANK_ENV
 
     torchrun_args = ["--nproc_per_node", str(nproc), "--master_port", str(free_port()), str(script), *map(str, args)]
+    env = {**os.environ, "PYTHON_EXEC": forked_python()}
     if fresh:
-        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", *torchrun_args], cwd=cwd,
-                              capture_output=True, text=True, timeout=timeout)
-    else:
-        from tests.cli import forked_python, run_module
-
-        done = run_module("torch.distributed.run", torchrun_args, cwd=cwd, timeout=timeout,
-                          env={**os.environ, "PYTHON_EXEC": forked_python()})
+        env[FRESH_RANK_ENV] = "0"
+    done = run_module("torch.distributed.run", torchrun_args, cwd=cwd, timeout=timeout, env=env)
     assert done.returncode == 0, done.stderr[-4000:]
     return done
 

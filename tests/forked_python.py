@@ -18,7 +18,8 @@ import-time decisions that differ between ranks of one launch - Lightning's ``ra
 RANK/LOCAL_RANK) and the intra-op threads (torchrun's ``OMP_NUM_THREADS=1``) - are made again from the rank's
 environment. A command line this client does not handle (anything but ``[-u] -m module ...`` and
 ``[-u] script ...``) or a zygote that cannot be reached runs the real interpreter instead (``os.execv``): never a wrong run, at worst a
-slower one.
+slower one. So does the rank ``FRESH_RANK_ENV`` names (``RANK``): a launch with one rank started as a user's
+shell starts it.
 
 Stdlib only: the executable starts this module with ``python -S`` (no site-packages: ~20 ms).
 """
@@ -34,6 +35,7 @@ from pathlib import Path
 
 SOCKET_ENV = "LIGHTNING_OPTIM_TEST_ZYGOTE_SOCKET"  # where the zygote takes launched ranks' requests
 RUN_ENV = "LIGHTNING_OPTIM_TEST_ZYGOTE_RUN"  # which test run a launched rank belongs to (killed with it)
+FRESH_RANK_ENV = "LIGHTNING_OPTIM_TEST_FRESH_RANK"  # the rank (RANK) that runs the real interpreter instead
 _FORWARDED = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
 _MESSAGE_BYTES = 1 << 20
 
@@ -68,7 +70,8 @@ def parse_command(argv: list[str]) -> dict | None:
 def main(real_python: str, argv: list[str]) -> None:
     request = parse_command(argv)
     path = os.environ.get(SOCKET_ENV)
-    if request is None or not path:
+    fresh_rank = os.environ.get(FRESH_RANK_ENV)
+    if request is None or not path or (fresh_rank is not None and fresh_rank == os.environ.get("RANK")):
         _exec_real(real_python, argv)
     connection = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.cli import JOB, forked_python, run_cli, run_module, set_by_imports, zygote_pid
+from tests.forked_python import FRESH_RANK_ENV
 
 PROBE = "cli_harness_probe"
 PROBE_SOURCE = '''
@@ -173,18 +174,23 @@ def test_a_launched_rank_sees_what_a_fresh_rank_sees(probe_dir: Path):
 
 
 def test_launched_ranks_fork_from_the_zygote(probe_dir: Path):
-    """The ranks a forked run launches are the zygote's children (no new interpreter), and a command line the
-    stand-in does not handle (``-c``) runs the real interpreter."""
+    """The ranks a forked run launches are the zygote's children (no new interpreter); a command line the
+    stand-in does not handle (``-c``) and the rank ``FRESH_RANK_ENV`` names run the real interpreter."""
     script = ("import os, subprocess, sys; print(os.getppid(), flush=True);"
               "subprocess.run([sys.executable, '-m', 'cli_harness_probe', 'parent']);"
-              "subprocess.run([sys.executable, '-c', 'import os, sys; print(os.getppid(), sys.executable)'])")
+              "subprocess.run([sys.executable, '-c', 'import os, sys; print(os.getppid(), sys.executable)']);"
+              "print(os.getpid(), flush=True);"
+              f"fresh = {{**os.environ, 'RANK': '1', {FRESH_RANK_ENV!r}: '1'}};"
+              "subprocess.run([sys.executable, '-m', 'cli_harness_probe', 'parent'], env=fresh);"
+              "subprocess.run([sys.executable, '-m', 'cli_harness_probe', 'parent'], env={**fresh, 'RANK': '0'})")
     (probe_dir / "launcher.py").write_text(script)
     run = run_module("launcher", [], cwd=probe_dir)
     assert run.returncode == 0, run.stderr
-    launcher, launched, _, real = run.stdout.splitlines()  # _: the launched probe's atexit line
-    assert launcher == launched == str(zygote_pid())  # the launcher and the rank it launched: forked
+    launcher, launched, _, real, itself, fresh, _, other, _ = run.stdout.splitlines()  # _: a probe's atexit line
+    assert launcher == launched == other == str(zygote_pid())  # the launcher and the ranks it launched: forked
     parent, executable = real.split()
     assert parent != str(zygote_pid()) and executable == sys.executable  # -c: a real child of the launcher
+    assert fresh == itself  # the rank FRESH_RANK_ENV names: a new interpreter, the launcher's own child
 
 
 def test_a_timeout_kills_the_run_and_what_it_started(probe_dir: Path):
@@ -228,7 +234,7 @@ def test_a_missing_cwd_fails_as_subprocess_run_does(tmp_path: Path):
 
 
 # --------------------------------------------------------------------------------------------- the job
-# Each comparison pays a fresh interpreter's imports (~7 s): the job's two outcomes the switched tests read
+# Each comparison pays fresh interpreters' imports (~9 s of CPU each): the job's two outcomes the switched tests read
 # (a config error here, a training run below); exit statuses and tracebacks in general are the probe's cases.
 @pytest.mark.slow
 def test_a_config_error_matches_a_fresh_interpreter(tmp_path: Path):
@@ -241,13 +247,20 @@ def test_a_config_error_matches_a_fresh_interpreter(tmp_path: Path):
 
 @pytest.mark.slow
 def test_a_training_run_matches_but_for_its_timings(tmp_path: Path):
-    args = ["trainer=smoke", "data.max_bytes=100000", "strategy=auto", "trainer.devices=1", "trainer.max_steps=3",
-            "model.n_layer=1", "model.d_model=64", "hydra.run.dir=run"]
+    """The default job (1-bit Adam on 2 processes, Lightning's launcher starting rank 1) past its 1-bit switch:
+    the suite's one run of the real ``python -m`` start-up, rank 1 a fresh interpreter too. stdout is rank 0's;
+    stderr holds both ranks' lines, in an order the two processes race for (fresh or forked alike)."""
+    args = ["trainer=smoke", "trainer.max_steps=8", "trainer.val_check_interval=8", "strategy.freeze_step=4",
+            "data.max_bytes=100000", "model.n_layer=1", "model.d_model=64", "hydra.run.dir=run"]
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     (tmp_path / "forked").mkdir()
     (tmp_path / "fresh").mkdir()
-    forked, expected = run_cli(args, cwd=tmp_path / "forked"), fresh(JOB, args, tmp_path / "fresh")
+    forked = run_cli(args, cwd=tmp_path / "forked", env=env)
+    expected = fresh(JOB, args, tmp_path / "fresh", env, timeout=240)
     assert expected.returncode == 0, expected.stderr[-3000:]
-    assert forked.returncode == 0 and forked.stderr == expected.stderr
+    assert forked.returncode == 0, forked.stderr[-3000:]
+    assert "1-bit stage starts" in expected.stdout and "GLOBAL_RANK: 1" in expected.stderr
+    assert sorted(forked.stderr.splitlines()) == sorted(expected.stderr.splitlines())
     assert _untimed(forked.stdout, tmp_path / "forked") == _untimed(expected.stdout, tmp_path / "fresh")
 
 

@@ -6,7 +6,6 @@ import csv
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import hydra
@@ -48,21 +47,15 @@ def test_overrides_of_the_onebit_knobs(compose_train):
     assert type(lightning_arg(dict(lamb.strategy))) is OnebitLambStrategy and lamb.trainer.devices == 2
 
 
-def _run_job(tmp_path: Path, *overrides: str, world: int = 2,
-             fresh_interpreter: bool = False) -> tuple[subprocess.CompletedProcess, dict, Path]:
+def _run_job(tmp_path: Path, *overrides: str, world: int = 2) -> tuple[subprocess.CompletedProcess, dict, Path]:
     """The main job on ``world`` processes for 8 small steps; checks it trained, returns (process, summary, run dir).
 
-    Rank 0 is forked from tests.cli's zygote unless ``fresh_interpreter`` (the real ``python -m`` start-up);
-    Lightning starts the other ranks as fresh interpreters either way."""
+    Forked from tests.cli's zygote, Lightning's other ranks too (tests/test_cli_harness.py compares such a run
+    with the real ``python -m`` start-up)."""
     run_dir = tmp_path / "run"
     args = ["trainer=smoke", "trainer.max_steps=8", "trainer.val_check_interval=8", *overrides,
             "data.max_bytes=100000", "model.n_layer=1", "model.d_model=64", f"hydra.run.dir={run_dir}"]
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    if fresh_interpreter:
-        result = subprocess.run([sys.executable, "-m", "lightning_optim.train", *args], cwd=tmp_path, env=env,
-                                capture_output=True, text=True, timeout=240)
-    else:
-        result = run_cli(args, cwd=tmp_path, env=env, timeout=240)
+    result = run_cli(args, cwd=tmp_path, env={**os.environ, "PYTHONWARNINGS": "ignore"}, timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["world_size"] == world and summary["steps"] == 8
@@ -71,8 +64,7 @@ def _run_job(tmp_path: Path, *overrides: str, world: int = 2,
 
 
 def test_cli_default_runs_two_processes_and_rank_0_writes(tmp_path: Path):
-    # a fresh interpreter: the one run of the real `python -m` start-up with Lightning's rank launch
-    result, summary, run_dir = _run_job(tmp_path, "strategy.freeze_step=4", fresh_interpreter=True)
+    result, summary, run_dir = _run_job(tmp_path, "strategy.freeze_step=4")
     comm = summary["comm"]
     assert comm["optimizer"] == "OnebitAdam" and comm["steps"] == 8 and comm["steps_without_ddp_allreduce"] == 4
     assert comm["compression_ratio"] > 1.8  # half the steps at ~32x less than fp32
