@@ -105,6 +105,12 @@ def forked_python() -> str:
     return _zygote().python
 
 
+def forked_python_environment() -> dict[str, str]:
+    """What a process started as :func:`forked_python` outside a run (the pool's fork server) needs in its
+    environment to reach the zygote (a run's launched ranks get it from the run)."""
+    return {SOCKET_ENV: _zygote().socket_path}
+
+
 def set_by_imports() -> dict[str, str]:
     """The environment variables the zygote's imports set (Lightning's, say): a forked run has them unless its
     environment sets them, as a fresh interpreter that imports the same modules would."""

@@ -36,6 +36,8 @@ from pathlib import Path
 SOCKET_ENV = "LIGHTNING_OPTIM_TEST_ZYGOTE_SOCKET"  # where the zygote takes launched ranks' requests
 RUN_ENV = "LIGHTNING_OPTIM_TEST_ZYGOTE_RUN"  # which test run a launched rank belongs to (killed with it)
 FRESH_RANK_ENV = "LIGHTNING_OPTIM_TEST_FRESH_RANK"  # the rank (RANK) that runs the real interpreter instead
+# How multiprocessing starts its fork server (Python 3.10-3.13: ``-c`` with the listener's and the alive pipe's fds)
+FORK_SERVER_CODE = "from multiprocessing.forkserver import main; main("
 _FORWARDED = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
 _MESSAGE_BYTES = 1 << 20
 
@@ -53,17 +55,21 @@ def write_executable(folder: Path, real_python: str, repo_root: Path) -> Path:
 
 
 def parse_command(argv: list[str]) -> dict | None:
-    """``[-u] (-m module | script) args...`` as a request ({"module"|"script", "args", "unbuffered"}); None
-    for any other command line."""
-    unbuffered = False
+    """``[-u] [-B] (-m module | script) args...`` as a request ({"module"|"script", "args", "flags"}), and
+    multiprocessing's fork server (``[-B] -c "<FORK_SERVER_CODE>..."``: {"code", "args", "flags", "inherit": the
+    two descriptors its code names}); None for any other command line."""
     rest = list(argv)
-    while rest and rest[0] == "-u":
-        unbuffered = True
-        rest.pop(0)
+    flags = []
+    while rest and rest[0] in ("-u", "-B"):
+        flags.append(rest.pop(0))
+    request = {"flags": flags}
     if len(rest) >= 2 and rest[0] == "-m":
-        return {"module": rest[1], "args": rest[2:], "unbuffered": unbuffered}
+        return {**request, "module": rest[1], "args": rest[2:]}
+    if len(rest) >= 2 and rest[0] == "-c" and rest[1].startswith(FORK_SERVER_CODE):
+        listener, alive = rest[1][len(FORK_SERVER_CODE):].split(",")[:2]
+        return {**request, "code": rest[1], "args": rest[2:], "inherit": [int(listener), int(alive)]}
     if rest and not rest[0].startswith("-"):
-        return {"script": os.path.abspath(rest[0]), "args": rest[1:], "unbuffered": unbuffered}
+        return {**request, "script": os.path.abspath(rest[0]), "args": rest[1:]}
     return None
 
 
@@ -78,8 +84,10 @@ def main(real_python: str, argv: list[str]) -> None:
         connection.connect(path)
     except OSError:  # the zygote is gone (its test session ended): a real interpreter
         _exec_real(real_python, argv)
-    request.update(cwd=os.getcwd(), env=dict(os.environ), executable=os.path.abspath(sys.argv[0]))
-    socket.send_fds(connection, [json.dumps(request).encode()], [0, 1, 2])
+    request.update(cwd=os.getcwd(), env=dict(os.environ))
+    if "code" not in request:  # a rank: its launcher's view of the interpreter (the fork server keeps the real one)
+        request["executable"] = os.path.abspath(sys.argv[0])
+    socket.send_fds(connection, [json.dumps(request).encode()], [0, 1, 2, *request.get("inherit", [])])
     pid = _receive(connection)["pid"]
     for name in _FORWARDED:
         signal.signal(getattr(signal, name), lambda signum, frame: _pass_on(pid, signum))

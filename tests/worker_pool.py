@@ -23,9 +23,10 @@ What a pool rank cannot give: a module imported by an earlier call is not import
 variable read at import time keeps the value it had then (``run_workers`` therefore goes fresh for ``env=``).
 
 How a rank starts: forked by a *fork server* (multiprocessing's ``forkserver`` start method, one server per
-pytest process, started on first use) that imported ``PRELOAD`` once - torch, lightning-optim and Lightning,
+pytest process, started on first use) that imported ``PRELOAD`` - torch, lightning-optim and Lightning,
 ~7-10 s of CPU per interpreter on the 2-core machine - instead of a ``spawn``ed interpreter importing them
-again for every rank. The rank is still a new process (new pid, no state from earlier calls); what it
+again for every rank. The server itself is forked from ``tests.cli``'s zygote (which imported them, and
+Accelerate and transformers, already), so the pytest process pays those imports once for both. The rank is still a new process (new pid, no state from earlier calls); what it
 cannot give is what an import decides: those modules read the environment of the pytest process when the
 server started. ``start_method(env)`` is therefore ``spawn`` for a fresh call with ``env=``.
 
@@ -199,7 +200,36 @@ def start_method(env: dict | None = None):
         return tmp.get_context("spawn")
     ctx = tmp.get_context("forkserver")
     ctx.set_forkserver_preload(list(PRELOAD))
+    _fork_server_from_the_zygote()
     return ctx
+
+
+def _fork_server_from_the_zygote() -> None:
+    """Start multiprocessing's fork server, if it is not running, through ``tests/forked_python.py``: the server
+    is then forked from ``tests.cli``'s zygote, which imported ``PRELOAD`` (and more) already, instead of being a
+    new interpreter importing them again. multiprocessing still starts it (its own command line, descriptors
+    and bookkeeping; the stand-in is its child) and, should the server die, starts the next one itself."""
+    from multiprocessing import forkserver, resource_tracker, spawn
+
+    from tests.cli import forked_python, forked_python_environment
+
+    try:
+        executable, environment = forked_python(), forked_python_environment()
+    except RuntimeError:  # no zygote: multiprocessing starts a new interpreter, as it would anyway
+        return
+    resource_tracker.ensure_running()  # with the real interpreter (the stand-in forks only the fork server)
+    real, saved = spawn.get_executable(), {k: os.environ.get(k) for k in environment}
+    spawn.set_executable(executable)
+    os.environ.update(environment)
+    try:
+        forkserver.ensure_running()
+    finally:
+        spawn.set_executable(real)
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def _rss_mib(pid: int) -> int | None:

@@ -29,16 +29,18 @@ import sys
 import tempfile
 import threading
 import traceback
+import types
 import warnings
 from pathlib import Path
 from typing import Any, NoReturn
 
-from tests.forked_python import RUN_ENV
+from tests.forked_python import FORK_SERVER_CODE, RUN_ENV
 
 # What the zygote imports before it forks: the job imports everything it needs at import time; the ranks
-# torchrun starts (tests.distributed.run_torchrun) import Accelerate, the HF Trainer and GPT-2.
+# torchrun starts (tests.distributed.run_torchrun) import Accelerate, the HF Trainer and GPT-2; the fork server of
+# tests.worker_pool (forked from here too) preloads tests.worker_pool, lightning-optim and Lightning.
 PRELOAD = ("lightning_optim.train", "accel_plugins.accelerate", "accel_plugins.hf",
-           "transformers.models.gpt2.modeling_gpt2")
+           "transformers.models.gpt2.modeling_gpt2", "tests.worker_pool")
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MESSAGE_BYTES = 1 << 20  # one request: the command line and the environment
 
@@ -117,7 +119,7 @@ class _Server:
 
     def _launched_request(self, connection: socket.socket) -> None:
         """A ``tests.forked_python`` client: its one request, or end of file (it died: so does its rank)."""
-        message, fds, _, _ = socket.recv_fds(connection, MESSAGE_BYTES, 3)
+        message, fds, _, _ = socket.recv_fds(connection, MESSAGE_BYTES, 5)  # stdio (+ a fork server's two)
         if message:
             request = json.loads(message)
             pid = self._start(request, fds, connection)
@@ -180,13 +182,13 @@ def _own_group(pid: int) -> None:
 # ------------------------------------------------------------------------------------------------- the child
 def _child(request: dict[str, Any], fds: list[int], startup_path: list[str], startup_filters: list[Any],
            set_by_imports: dict[str, str]) -> NoReturn:
-    """Become ``python -m <module> <args>`` (or ``python <script> <args>``), run it and exit; never returns
-    into the zygote's loop."""
+    """Become ``python -m <module> <args>`` (or ``python <script> <args>``, or multiprocessing's fork server),
+    run it and exit; never returns into the zygote's loop."""
     code, interrupted = 1, False
     try:
         os.setpgid(0, 0)
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        _redirect_stdio(fds)
+        _redirect_stdio(fds[:3])
         env = request["env"]
         os.environ.clear()
         os.environ.update({**set_by_imports, **env})  # what the imports set, where the run does not set it
@@ -195,13 +197,18 @@ def _child(request: dict[str, Any], fds: list[int], startup_path: list[str], sta
         sys.path[:] = _fresh_sys_path(env, startup_path, os.path.dirname(os.path.realpath(script)) if script else None)
         sys.executable = request.get("executable") or sys.executable
         _apply_warning_options(env.get("PYTHONWARNINGS", ""), startup_filters)
-        unbuffered = bool(env.get("PYTHONUNBUFFERED")) or request.get("unbuffered", False)
+        flags = request.get("flags", [])
+        unbuffered = bool(env.get("PYTHONUNBUFFERED")) or "-u" in flags
         _set_buffering(unbuffered)
+        sys.dont_write_bytecode = bool(env.get("PYTHONDONTWRITEBYTECODE")) or "-B" in flags
         _decide_again_what_imports_decided(env)
         if script:
-            code, interrupted = _run_script_as_main(script, request["args"], unbuffered)
+            code, interrupted = _run_script_as_main(script, request["args"], flags)
+        elif "code" in request:
+            sys.path[0] = ""  # as -c has it
+            code, interrupted = _run_fork_server(request["code"], request["args"], flags, fds[3:])
         else:
-            code, interrupted = _run_as_main(request["module"], request["args"])
+            code, interrupted = _run_as_main(request["module"], request["args"], flags)
         _finalize()
     except BaseException:  # a failure of this harness: say so, never fall back into the zygote
         traceback.print_exc()
@@ -270,31 +277,44 @@ def _set_buffering(unbuffered: bool) -> None:
     sys.stderr.reconfigure(line_buffering=not unbuffered, write_through=unbuffered)
 
 
-def _run_as_main(module: str, args: list[str]) -> tuple[int, bool]:
+def _run_as_main(module: str, args: list[str], flags: list[str]) -> tuple[int, bool]:
     """Run the module as ``python -m`` does; (exit status, whether an uncaught KeyboardInterrupt ended it)."""
     _forget_preloaded(module)
     sys.argv = ["-m", *args]  # as during -m's search; runpy sets argv[0] to the module's file
-    sys.orig_argv = [sys.executable, "-m", module, *args]
-    try:
-        runpy._run_module_as_main(module, alter_argv=True)
-    except SystemExit as exit:
-        return _exit_status(exit.code), False
-    except BaseException as error:
-        _print_uncaught(error)
-        return 1, isinstance(error, KeyboardInterrupt)
-    return 0, False
+    sys.orig_argv = [sys.executable, *flags, "-m", module, *args]
+    return _ran(lambda: runpy._run_module_as_main(module, alter_argv=True))
 
 
-def _run_script_as_main(script: str, args: list[str], unbuffered: bool) -> tuple[int, bool]:
+def _run_script_as_main(script: str, args: list[str], flags: list[str]) -> tuple[int, bool]:
     """Run the file as ``python <script>`` does; (exit status, whether an uncaught KeyboardInterrupt ended it)."""
     sys.argv = [script, *args]
-    sys.orig_argv = [sys.executable, *(["-u"] if unbuffered else []), script, *args]
+    sys.orig_argv = [sys.executable, *flags, script, *args]
+    return _ran(lambda: runpy.run_path(script, run_name="__main__"), lambda code: code.co_filename == script)
+
+
+def _run_fork_server(code: str, args: list[str], flags: list[str], inherited: list[int]) -> tuple[int, bool]:
+    """multiprocessing's fork server as ``python -c <code>`` runs it (``__main__`` a new module, argv ``-c``),
+    its listening socket and alive pipe this child's copies of the launcher's: the code names them by number."""
+    listener, alive = inherited
+    for fd in inherited:
+        os.set_inheritable(fd, True)  # as passed to a new interpreter
+    call = code[len(FORK_SERVER_CODE):].split(",", 2)[2]  # after the launcher's two numbers
+    main = types.ModuleType("__main__")
+    sys.modules["__main__"] = main
+    sys.argv = ["-c", *args]
+    sys.orig_argv = [sys.executable, *flags, "-c", code, *args]
+    body = compile(f"{FORK_SERVER_CODE}{listener}, {alive},{call}", "<string>", "exec")
+    return _ran(lambda: exec(body, vars(main)), lambda frame_code: frame_code is body)
+
+
+def _ran(run, is_first=None) -> tuple[int, bool]:
+    """(exit status, whether an uncaught KeyboardInterrupt ended it) of ``run()``, as the interpreter ends."""
     try:
-        runpy.run_path(script, run_name="__main__")
+        run()
     except SystemExit as exit:
         return _exit_status(exit.code), False
     except BaseException as error:
-        _print_uncaught(error, lambda code: code.co_filename == script)
+        _print_uncaught(error, is_first)
         return 1, isinstance(error, KeyboardInterrupt)
     return 0, False
 

@@ -157,13 +157,24 @@ def test_fresh_calls_get_new_processes():
 def _imported_at_entry(rank, world_size):
     import sys
 
-    return {"lightning": "lightning" in sys.modules, "env": os.environ.get("LO_HARNESS_PROBE")}
+    server = os.getppid()
+    with open(f"/proc/{server}/stat") as f:
+        server_parent = int(f.read().rsplit(")", 1)[1].split()[1])
+    return {"lightning": "lightning" in sys.modules, "env": os.environ.get("LO_HARNESS_PROBE"),
+            "parent": server, "server_parent": server_parent, "executable": sys.executable}
 
 
 def test_ranks_fork_from_the_preloaded_server_unless_the_call_sets_environment_variables():
-    # pool and fresh ranks are forked by a server that imported Lightning once; a call with env= gets new
-    # interpreters instead, whose imports all happen after the variables are set
-    assert [r["lightning"] for r in run_workers(2, _imported_at_entry)] == [True, True]
-    assert [r["lightning"] for r in run_workers(2, _imported_at_entry, fresh=True)] == [True, True]
+    """Pool and fresh ranks are forked by multiprocessing's fork server, itself forked from tests.cli's zygote
+    (which imported Lightning once for both); a call with env= gets new interpreters instead, whose imports all
+    happen after the variables are set. Every rank's sys.executable is the real interpreter."""
+    import sys
+
+    from tests.cli import zygote_pid
+
+    for forked in (run_workers(2, _imported_at_entry), run_workers(2, _imported_at_entry, fresh=True)):
+        assert [(r["lightning"], r["server_parent"]) for r in forked] == [(True, zygote_pid())] * 2
     with_env = run_workers(2, _imported_at_entry, env={"LO_HARNESS_PROBE": "set"})
-    assert with_env == [{"lightning": False, "env": "set"}] * 2
+    assert [(r["lightning"], r["env"]) for r in with_env] == [(False, "set")] * 2
+    assert all(r["parent"] == os.getpid() for r in with_env)  # spawned: this process's children
+    assert {r["executable"] for r in forked + with_env} == {sys.executable}
