@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.cli import JOB, forked_python, run_cli, run_module, set_by_imports, zygote_pid
-from tests.forked_python import FRESH_RANK_ENV
+from tests.forked_python import FORK_SERVER_CODE, FRESH_RANK_ENV, parse_command
 
 PROBE = "cli_harness_probe"
 PROBE_SOURCE = '''
@@ -191,6 +191,17 @@ def test_launched_ranks_fork_from_the_zygote(probe_dir: Path):
     parent, executable = real.split()
     assert parent != str(zygote_pid()) and executable == sys.executable  # -c: a real child of the launcher
     assert fresh == itself  # the rank FRESH_RANK_ENV names: a new interpreter, the launcher's own child
+
+
+def test_the_stand_in_takes_only_the_command_lines_it_can_fork():
+    """``[-u] [-B] -m module|script`` and multiprocessing's fork server (the two descriptors its code names are
+    passed on); anything else (another ``-c``, interpreter options it does not apply) runs the real interpreter."""
+    assert parse_command(["-u", "-m", "mod", "-x"]) == {"flags": ["-u"], "module": "mod", "args": ["-x"]}
+    assert parse_command(["-B", "run.py", "a"]) == {"flags": ["-B"], "script": os.path.abspath("run.py"), "args": ["a"]}
+    code = FORK_SERVER_CODE + "7, 9, ['tests.worker_pool'], **{'sys_path': ['/x']})"
+    assert parse_command(["-B", "-c", code]) == {"flags": ["-B"], "code": code, "args": [], "inherit": [7, 9]}
+    for other in (["-c", "print(1)"], ["-W", "error", "-m", "mod"], ["-X", "dev", "run.py"], ["-m"], []):
+        assert parse_command(other) is None, other
 
 
 def test_a_timeout_kills_the_run_and_what_it_started(probe_dir: Path):
