@@ -26,6 +26,7 @@ Stdlib only: the executable starts this module with ``python -S`` (no site-packa
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import signal
@@ -66,11 +67,27 @@ def parse_command(argv: list[str]) -> dict | None:
     if len(rest) >= 2 and rest[0] == "-m":
         return {**request, "module": rest[1], "args": rest[2:]}
     if len(rest) >= 2 and rest[0] == "-c" and rest[1].startswith(FORK_SERVER_CODE):
-        listener, alive = rest[1][len(FORK_SERVER_CODE):].split(",")[:2]
-        return {**request, "code": rest[1], "args": rest[2:], "inherit": [int(listener), int(alive)]}
+        inherit = _fork_server_descriptors(rest[1])
+        return None if inherit is None else {**request, "code": rest[1], "args": rest[2:], "inherit": inherit}
     if rest and not rest[0].startswith("-"):
         return {**request, "script": os.path.abspath(rest[0]), "args": rest[1:]}
     return None
+
+
+def _fork_server_descriptors(code: str) -> list[int] | None:
+    """The listener's and the alive pipe's descriptors of ``main(listener, alive, preload, **{main_path,
+    sys_path})``; None for a call of another shape (another Python's fork server passes more)."""
+    try:
+        call = ast.parse(code).body[-1].value
+        listener, alive, _ = (ast.literal_eval(arg) for arg in call.args)
+        (keywords,) = call.keywords
+        extra = ast.literal_eval(keywords.value) if keywords.arg is None else None
+    except (SyntaxError, ValueError, AttributeError, TypeError):
+        return None
+    if not (type(listener) is int and type(alive) is int and isinstance(extra, dict)
+            and set(extra) <= {"main_path", "sys_path"}):
+        return None
+    return [listener, alive]
 
 
 def main(real_python: str, argv: list[str]) -> None:

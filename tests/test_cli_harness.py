@@ -200,7 +200,9 @@ def test_the_stand_in_takes_only_the_command_lines_it_can_fork():
     assert parse_command(["-B", "run.py", "a"]) == {"flags": ["-B"], "script": os.path.abspath("run.py"), "args": ["a"]}
     code = FORK_SERVER_CODE + "7, 9, ['tests.worker_pool'], **{'sys_path': ['/x']})"
     assert parse_command(["-B", "-c", code]) == {"flags": ["-B"], "code": code, "args": [], "inherit": [7, 9]}
-    for other in (["-c", "print(1)"], ["-W", "error", "-m", "mod"], ["-X", "dev", "run.py"], ["-m"], []):
+    later = FORK_SERVER_CODE + "7, 9, ['x'], **{'sys_path': ['/x'], 'authkey_r': 11})"  # a shape it does not know
+    for other in (["-c", "print(1)"], ["-c", later], ["-W", "error", "-m", "mod"], ["-X", "dev", "run.py"], ["-m"],
+                  []):
         assert parse_command(other) is None, other
 
 
