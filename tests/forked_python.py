@@ -1,7 +1,9 @@
 """The ``python`` that launchers run in the tests: a rank forked from this pytest process's zygote (tests/cli.py).
 
 A launcher starts its ranks as ``<python> -u script.py args`` (torchrun; its ``PYTHON_EXEC`` names the
-interpreter) or ``<python> -m module args`` (Lightning's launcher: ``sys.executable`` of rank 0). When that
+interpreter) or ``<python> -m module args`` (Lightning's launcher: ``sys.executable`` of rank 0);
+multiprocessing starts its fork server as ``<python> [-B] -c "from multiprocessing.forkserver import main; ..."``
+with two inherited descriptors (``tests.worker_pool`` points it here, passed on to the zygote). When that
 ``<python>`` is the small executable :func:`write_executable` writes, the command runs this module's
 :func:`main` instead of a new interpreter: it asks the zygote (over the Unix socket named by ``SOCKET_ENV`` in
 its environment) to fork a child that becomes that command - with this client's stdin/stdout/stderr, its
