@@ -26,9 +26,9 @@ How a rank starts: forked by a *fork server* (multiprocessing's ``forkserver`` s
 pytest process, started on first use) that imported ``PRELOAD`` - torch, lightning-optim and Lightning,
 ~7-10 s of CPU per interpreter on the 2-core machine - instead of a ``spawn``ed interpreter importing them
 again for every rank. The server itself is forked from ``tests.cli``'s zygote (which imported them, and
-Accelerate and transformers, already), so the pytest process pays those imports once for both. The rank is still a new process (new pid, no state from earlier calls); what it
-cannot give is what an import decides: those modules read the environment of the pytest process when the
-server started. ``start_method(env)`` is therefore ``spawn`` for a fresh call with ``env=``.
+Accelerate and transformers, already), so the pytest process pays those imports once for both. The rank is
+still a new process (new pid, no state from earlier calls); what it cannot give is what an import decides:
+those modules read the environment of the pytest process when the zygote started. ``start_method(env)`` is therefore ``spawn`` for a fresh call with ``env=``.
 
 A call in which any rank fails, dies or times out kills that call's workers (the next call spawns new ones),
 so no group a failed collective left behind is ever reused. The parent treats results, tracebacks, deaths
