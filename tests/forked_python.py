@@ -18,10 +18,10 @@ environment and cwd - and then stands in for it towards the launcher:
 What a forked rank gives and lacks is what ``tests.cli``'s forked runs give and lack (its docstring); the two
 import-time decisions that differ between ranks of one launch - Lightning's ``rank_zero_only.rank`` (from
 RANK/LOCAL_RANK) and the intra-op threads (torchrun's ``OMP_NUM_THREADS=1``) - are made again from the rank's
-environment. A command line this client does not handle (anything but ``[-u] -m module ...`` and
-``[-u] script ...``) or a zygote that cannot be reached runs the real interpreter instead (``os.execv``): never a wrong run, at worst a
-slower one. So does the rank ``FRESH_RANK_ENV`` names (``RANK``): a launch with one rank started as a user's
-shell starts it.
+environment. A command line this client does not handle (anything but ``[-u] [-B] -m module ...``,
+``[-u] [-B] script ...`` and the fork server's) or a zygote that cannot be reached runs the real interpreter
+instead (``os.execv``): never a wrong run, at worst a slower one. So does the rank ``FRESH_RANK_ENV`` names
+(``RANK``): a launch with one rank started as a user's shell starts it.
 
 Stdlib only: the executable starts this module with ``python -S`` (no site-packages: ~20 ms).
 """
