@@ -3,14 +3,19 @@
 ``diloco.py``: ``enable_diloco``) and the Hugging Face Trainer (``hf.py``: ``from accel_plugins.hf import
 Trainer, TrainingArguments, DiLoCoCallback``).
 
-Install their dependencies with ``pip install "lightning-optim[hf]"``. Importing this package does
-not import Accelerate or transformers; the names below load their module on first access.
+Install their dependencies with ``pip install "lightning-optim[hf]"``: importing this package without them
+raises an ``ImportError`` naming the extra. Importing it does not import Accelerate or transformers; the names
+below load their module on first access.
 """
 
 from __future__ import annotations
 
 import importlib
 from typing import Any
+
+from lightning_optim.extras import require
+
+require("hf", "accel_plugins (the Accelerate and HF Trainer adapters)")
 
 __all__ = ["enable_onebit", "to_onebit_optimizer", "OnebitHandle", "enable_master_weights", "MasterWeightsHandle",
            "enable_gradient_release", "GradientReleaseHandle", "enable_diloco", "DiLoCoHandle"]

@@ -6,14 +6,16 @@
   (no gradient all-reduce at all) and the prepared optimizer pointed at DiLoCo;
 - :func:`save_rank_state` / :func:`load_rank_state`: this rank's DiLoCo state (inner state, global params,
   outer momentum, residuals) and its own params in ``diloco_rank<r>.pt`` (Accelerate and the HF Trainer save the
-  optimizer and the model from rank 0 only, but both differ per rank between synchronisations).
+  optimizer and the model from rank 0 only, but both differ per rank between synchronisations);
+- :func:`resume_rank_state`: that file, or where it is missing (or another world size wrote it) the optimizer
+  state the trainer saved from rank 0, with a warning: never a silent restart at inner step 0.
 """
 
 from __future__ import annotations
 
 import os
 import warnings
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -37,19 +39,20 @@ from lightning_optim.distributed.diloco import DiLoCo, check_diloco_arguments
 from lightning_optim.distributed.diloco_exchange import resolve_compressor
 from lightning_optim.precision._checks import check_keys, describe
 
-__all__ = ["check_settings", "install", "load_rank_state", "rank_state_path", "save_rank_state"]
+__all__ = ["check_settings", "install", "load_rank_state", "rank_state_path", "resume_rank_state",
+           "save_rank_state"]
 
 _GRAD_SCALER_WHY = ("lets each rank skip a step alone on an overflow, but DiLoCo's ranks synchronise after the same "
                     "number of inner steps (one skipped step would desynchronise them)")
 
 
 def check_settings(sync_every: Any, outer_lr: Any, outer_momentum: Any, nesterov: Any, fragments: Any, overlap: Any,
-                   mixing: Any, compressor: Any) -> dict[str, Any]:
+                   mixing: Any, compressor: Any, final_sync: Any = True) -> dict[str, Any]:
     """DiLoCo's keyword arguments, checked (``TypeError``/``ValueError`` naming the argument and its range)."""
-    check_diloco_arguments(sync_every, fragments, outer_lr, outer_momentum, nesterov, overlap, mixing)
+    check_diloco_arguments(sync_every, fragments, outer_lr, outer_momentum, nesterov, overlap, mixing, final_sync)
     resolve_compressor(compressor)
     return dict(sync_every=sync_every, outer_lr=outer_lr, outer_momentum=outer_momentum, nesterov=nesterov,
-                fragments=fragments, overlap=overlap, mixing=mixing, compressor=compressor)
+                fragments=fragments, overlap=overlap, mixing=mixing, compressor=compressor, final_sync=final_sync)
 
 
 def _check_prepared_optimizer(optimizer: Any) -> torch.optim.Optimizer:
@@ -94,7 +97,7 @@ def install(caller: str, accelerator: Any, model: nn.Module, optimizer: Any,
     hook = None
     if ddp is not None:  # the first change: everything above only checked
         try:
-            hook = register_comm_hook(ddp, "local")
+            hook = cast(LocalHookState, register_comm_hook(ddp, "local"))  # the "local" hook's state
         except RuntimeError as exc:
             raise ValueError(f"model: its DDP already has a comm hook; {caller} registers the 'local' hook itself: "
                              "remove the other one") from exc
@@ -140,10 +143,41 @@ def load_rank_state(diloco: DiLoCo, model: nn.Module, directory: str | os.PathLi
         return False
     payload = torch.load(path, map_location="cpu", weights_only=True)
     check_keys(path, payload, {"world_size", "rank", "optimizer", "model"})
-    if payload["world_size"] != size or payload["rank"] != rank:
+    saved_size, saved_rank = payload["world_size"], payload["rank"]
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (saved_size, saved_rank)) or not (
+            0 <= saved_rank < saved_size):
+        raise ValueError(f"{path}: 'world_size' and 'rank' must be an int >= 1 and a rank in [0, world_size), got "
+                         f"{saved_size!r} and {saved_rank!r}")
+    if saved_size != size or saved_rank != rank:
         return False
     module = unwrap_model(model)
     _check_same_tensors(f"{path}['model']", payload["model"], module.state_dict())
-    diloco.load_state_dict(payload["optimizer"])  # checks all of it before it changes anything
+    try:
+        diloco.load_state_dict(payload["optimizer"])  # checks all of it before it changes anything
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"{path}['optimizer']: {exc}") from None
     module.load_state_dict(payload["model"])
     return True
+
+
+def resume_rank_state(caller: str, diloco: DiLoCo, model: nn.Module, directory: str | os.PathLike,
+                      saved: dict[str, Any] | None) -> None:
+    """Resume from ``directory``: this rank's own file (:func:`load_rank_state`); where it is missing or was
+    written by another rank or world size, ``saved`` (the optimizer state dict the trainer saved from rank 0:
+    its inner state and DiLoCo's section: step, global params, outer momentum), with a warning, since this rank
+    then continues from rank 0's inner state and params instead of its own (the same right after a
+    synchronisation); ``saved`` None too: a warning that DiLoCo starts anew at inner step 0."""
+    if load_rank_state(diloco, model, directory):
+        return
+    path = rank_state_path(directory, world()[1])
+    why = "is missing" if not os.path.exists(path) else "was written by another rank or world size"
+    if saved is None:
+        warnings.warn(f"{caller}: {path} {why} and the checkpoint holds no optimizer state: DiLoCo starts anew at "
+                      "inner step 0 from the loaded params (its global params, outer momentum and schedule restart)",
+                      UserWarning, stacklevel=3)
+        return
+    diloco.load_state_dict(saved)  # checks all of it first; refuses another rank's error-feedback state
+    if world()[1] != 0:  # rank 0's own state is the one saved: nothing lost there
+        warnings.warn(f"{caller}: {path} {why}: this rank resumes DiLoCo (inner step {diloco.inner_steps}) from "
+                      "the optimizer state saved by rank 0, with rank 0's inner state and params instead of its own "
+                      "(the same right after a synchronisation)", UserWarning, stacklevel=3)

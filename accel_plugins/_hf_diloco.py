@@ -11,22 +11,31 @@ the prepared optimizer is made to step through ``DiLoCo`` and the DDP model gets
 gradient all-reduce at all): ``accel_plugins._diloco.install``, the same as ``enable_diloco``. Checkpoints:
 every rank writes ``diloco_rank<r>.pt`` into each ``checkpoint-N`` folder (this rank's DiLoCo state and params),
 and ``resume_from_checkpoint`` loads it after HF has loaded rank 0's model and optimizer (the Trainer's
-``_save_optimizer_and_scheduler`` / ``_load_optimizer_and_scheduler``, ``_hf_trainer.py``).
+``_save_optimizer_and_scheduler`` / ``_load_optimizer_and_scheduler``, ``_hf_trainer.py``); where a rank's file
+is missing, that rank resumes from the DiLoCo state in rank 0's ``optimizer.pt`` (step, global params, outer
+momentum and rank 0's inner state), with a warning, as ``enable_diloco`` does under ``accelerator.load_state``.
+The ends of ``train()``: at its start rank 0 warns where ``max_steps`` reaches no synchronisation; at
+``on_train_end`` (after the last checkpoint) ``DiLoCo.finish`` takes one last synchronisation where the ranks
+hold different params (``final_sync=True``, ``--diloco_final_sync``; False: a warning instead).
 """
 
 from __future__ import annotations
 
+import os
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
+import torch
 import transformers
 
-from accel_plugins._diloco import check_settings, install, load_rank_state, save_rank_state
+from accel_plugins._diloco import check_settings, install, resume_rank_state, save_rank_state
 from lightning_optim.comm import CommStats, comm_stats
 from lightning_optim.distributed.diloco import DiLoCo
 
 __all__ = ["DiLoCoArguments", "DiLoCoCallback", "diloco_callback"]
+
+_OPTIMIZER_FILE = getattr(transformers.trainer, "OPTIMIZER_NAME", "optimizer.pt")  # where HF saves the optimizer
 
 
 class DiLoCoCallback(transformers.TrainerCallback):
@@ -36,9 +45,9 @@ class DiLoCoCallback(transformers.TrainerCallback):
 
     def __init__(self, *, sync_every: int, outer_lr: float = 0.7, outer_momentum: float = 0.9,
                  nesterov: bool = True, fragments: int = 1, overlap: bool = False, mixing: float | None = None,
-                 compressor: Any = None) -> None:
+                 compressor: Any = None, final_sync: bool = True) -> None:
         self.settings = check_settings(sync_every, outer_lr, outer_momentum, nesterov, fragments, overlap, mixing,
-                                       compressor)
+                                       compressor, final_sync)
         self.diloco: DiLoCo | None = None
         self.hook: Any = None
         self._resume_dir: str | None = None
@@ -62,7 +71,13 @@ class DiLoCoCallback(transformers.TrainerCallback):
                           stacklevel=2)
         directory, self._resume_dir = self._resume_dir, None
         if directory is not None:
-            load_rank_state(self.diloco, trainer.model_wrapped, directory)
+            saved = os.path.join(directory, _OPTIMIZER_FILE)  # rank 0's, which HF loaded into the inner optimizer
+            state = torch.load(saved, map_location="cpu", weights_only=True) if os.path.isfile(saved) else None
+            resume_rank_state("DiLoCoCallback", self.diloco, trainer.model_wrapped, directory, state)
+        state = trainer.state  # the run's length: max_steps optimizer steps, global_step of them taken
+        if state.max_steps > 0:
+            self.diloco.warn_if_no_sync(self.diloco.inner_steps + max(0, state.max_steps - state.global_step),
+                                        "DiLoCoCallback")
 
     def save(self, trainer: Any, output_dir: str) -> None:
         if self.diloco is not None:
@@ -71,6 +86,16 @@ class DiLoCoCallback(transformers.TrainerCallback):
     def resume_from(self, checkpoint: str) -> None:
         """Remember the folder: HF loads the checkpoint before ``on_train_begin``, DiLoCo is installed at it."""
         self._resume_dir = checkpoint
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """The end of ``train()``, after its last checkpoint (which keeps the state before this and resumes
+        bitwise): ``DiLoCo.finish`` on every rank. Not where HF has just loaded the best checkpoint's model
+        (``load_best_model_at_end``): every rank holds that one model, which a synchronisation would move."""
+        if self.diloco is None:
+            return
+        if getattr(args, "load_best_model_at_end", False) and state.best_model_checkpoint is not None:
+            return
+        self.diloco.finish("DiLoCoCallback")
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.diloco is None:  # before the first backward: nothing has been all-reduced yet
@@ -100,10 +125,19 @@ class DiLoCoArguments:
     diloco_mixing: float | None = field(default=None, metadata={"help": "Streaming DiLoCo: mixing alpha in [0, 1]"})
     diloco_compressor: str | None = field(default=None, metadata={
         "help": "DiLoCo: compress the pseudo-gradients: int8, int4, onebit, sign, topk, powersgd"})
+    diloco_final_sync: bool = field(default=True, metadata={
+        "help": "DiLoCo: a run that ends between syncs takes one more (False: the ranks end apart, with a warning)"})
 
     def __post_init__(self) -> None:
-        if self.diloco_sync_every is not None:
-            self.callback()  # bad values fail at parse time
+        if self.diloco_sync_every is None:
+            given = [f"--{f.name} {getattr(self, f.name)}" for f in fields(self)
+                     if f.name != "diloco_sync_every" and getattr(self, f.name) != f.default]
+            if given:
+                raise ValueError(f"diloco_sync_every: unset (no DiLoCo), but {', '.join(given)} given; pass "
+                                 "--diloco_sync_every N (inner steps between syncs, an int >= 1) to train with "
+                                 "DiLoCo, or drop the other --diloco_* options")
+            return
+        self.callback()  # bad values fail at parse time
 
     def callback(self) -> DiLoCoCallback | None:
         if self.diloco_sync_every is None:
@@ -112,6 +146,7 @@ class DiLoCoArguments:
             return DiLoCoCallback(sync_every=self.diloco_sync_every, outer_lr=self.diloco_outer_lr,
                                   outer_momentum=self.diloco_outer_momentum, nesterov=self.diloco_nesterov,
                                   fragments=self.diloco_fragments, overlap=self.diloco_overlap,
-                                  mixing=self.diloco_mixing, compressor=self.diloco_compressor)
+                                  mixing=self.diloco_mixing, compressor=self.diloco_compressor,
+                                  final_sync=self.diloco_final_sync)
         except (TypeError, ValueError) as exc:
             raise type(exc)(f"diloco_{exc}") from None  # the messages start with the argument's name

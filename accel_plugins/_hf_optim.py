@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from lightning_optim.catalogue import OPTIMIZERS, optimizer_class
+from lightning_optim.catalogue import OPTIMIZERS, optimizer_class, optimizer_name
 from lightning_optim.config_rules import culprit, parameter_rules
 
 __all__ = ["OPTIM_NAMES", "optimizer_cls_and_kwargs", "parse_optim_args"]
@@ -103,7 +103,8 @@ def _refusal(name: str, cls: type, kwargs: dict[str, Any], extra: dict[str, Any]
 def optimizer_cls_and_kwargs(args: Any) -> tuple[type, dict[str, Any]]:
     """``(class, kwargs)`` for ``args.optim`` (one of :data:`OPTIM_NAMES`), from ``args`` (see the module doc);
     pass it to ``transformers.Trainer(optimizer_cls_and_kwargs=...)`` (transformers >= 4.47)."""
-    name = getattr(args, "lightning_optim_name", None) or str(getattr(args.optim, "value", args.optim))
+    given = getattr(args, "lightning_optim_name", None) or str(getattr(args.optim, "value", args.optim))
+    name = optimizer_name(given)  # an old name (signsgd) warns and becomes the new one
     try:
         cls = optimizer_class(name)
     except ValueError as exc:

@@ -23,16 +23,17 @@ from __future__ import annotations
 
 import functools
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Callable
+from typing import Any
 
 import transformers
 from packaging.version import Version
 
 from accel_plugins._hf_optim import optimizer_cls_and_kwargs
 from accel_plugins._hf_trainer import HF_METHODS, TRAINER_METHODS
-from lightning_optim.catalogue import OPTIMIZERS
+from lightning_optim.catalogue import OPTIMIZER_ALIASES, OPTIMIZERS, optimizer_name
 
 __all__ = ["register", "unregister", "MIN_TRANSFORMERS"]
 
@@ -46,6 +47,7 @@ class _Registration:
     post_init: Callable[..., None]
     get_optimizer_cls_and_kwargs: staticmethod
     trainer_attributes: dict[str, Any]  # transformers.Trainer's own, None where it had none (onebit_optimizer)
+    old_names: tuple[str, ...] = ()  # also added: old names of ours (signsgd), each meaning its new name
 
 
 _registration: _Registration | None = None
@@ -130,6 +132,8 @@ def _checking_post_init(original: Callable[..., None], names: tuple[str, ...]) -
     @functools.wraps(original)
     def __post_init__(self: Any) -> None:
         name = _optim_value(self.optim)
+        if name in OPTIMIZER_ALIASES and OPTIMIZER_ALIASES[name] in names:
+            name = self.optim = optimizer_name(name)  # an old name of ours: warns, then it is the new one
         if name not in enum_cls._value2member_map_:
             raise ValueError(f"optim: {name!r} is neither an HF optimizer name nor one of lightning-optim's "
                              f"registered ones ({', '.join(names)})")
@@ -153,7 +157,8 @@ def _dispatching(original: Callable[..., Any], names: tuple[str, ...]) -> Callab
 def register() -> tuple[str, ...]:
     """Make the stock ``TrainingArguments``, ``HfArgumentParser`` (created after this call) and ``Trainer``
     take lightning-optim's optimizer names; returns the names added (HF's own, ``sgd`` and
-    ``stable_adamw``, keep HF's meaning). Idempotent. ``RuntimeError`` where transformers is older
+    ``stable_adamw``, keep HF's meaning). The old names of those added (``signsgd``) are taken too, with a
+    FutureWarning. Idempotent. ``RuntimeError`` where transformers is older
     than 4.47 or lacks what this patches."""
     global _registration
     if _registration is not None:
@@ -164,13 +169,17 @@ def register() -> tuple[str, ...]:
     post_init = vars(transformers.TrainingArguments)["__post_init__"]
     get_cls_and_kwargs = vars(transformers.Trainer)["get_optimizer_cls_and_kwargs"]
     trainer_attributes = {name: vars(transformers.Trainer).get(name) for name in TRAINER_METHODS}
-    for name in names:
+    old_names = tuple(sorted(old for old, new in OPTIMIZER_ALIASES.items()
+                             if new in names and old not in enum_cls._value2member_map_))
+    for name in names + old_names:
         _add_member(enum_cls, name)
-    transformers.TrainingArguments.__post_init__ = _checking_post_init(post_init, names)
-    transformers.Trainer.get_optimizer_cls_and_kwargs = staticmethod(_dispatching(get_cls_and_kwargs.__func__, names))
+    # replaced on purpose (unregister() puts HF's own back)
+    transformers.TrainingArguments.__post_init__ = _checking_post_init(post_init, names)  # type: ignore[method-assign]
+    transformers.Trainer.get_optimizer_cls_and_kwargs = staticmethod(  # type: ignore[method-assign]
+        _dispatching(get_cls_and_kwargs.__func__, names))
     for name, method in TRAINER_METHODS.items():
         setattr(transformers.Trainer, name, method)
-    _registration = _Registration(names, post_init, get_cls_and_kwargs, trainer_attributes)
+    _registration = _Registration(names, post_init, get_cls_and_kwargs, trainer_attributes, old_names)
     return names
 
 
@@ -181,10 +190,11 @@ def unregister() -> None:
     if _registration is None:
         return
     enum_cls = _optimizer_names()
-    for name in _registration.names:
+    for name in _registration.names + _registration.old_names:
         _remove_member(enum_cls, name)
-    transformers.TrainingArguments.__post_init__ = _registration.post_init
-    transformers.Trainer.get_optimizer_cls_and_kwargs = _registration.get_optimizer_cls_and_kwargs
+    transformers.TrainingArguments.__post_init__ = _registration.post_init  # type: ignore[method-assign]
+    transformers.Trainer.get_optimizer_cls_and_kwargs = (  # type: ignore[method-assign]
+        _registration.get_optimizer_cls_and_kwargs)
     for name, original in _registration.trainer_attributes.items():
         if original is None:
             delattr(transformers.Trainer, name)

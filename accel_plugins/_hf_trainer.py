@@ -20,7 +20,8 @@ them and derives from the patched ``transformers.Trainer`` runs each addition on
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch.distributed as dist
 import transformers
@@ -65,6 +66,14 @@ class _OnebitSetup(transformers.TrainerCallback):
             trainer._onebit_handle = enable_onebit(trainer.accelerator, trainer.model_wrapped, trainer.optimizer)
 
 
+def _hf(name: str) -> Callable[..., Any]:
+    """HF's method ``name``, which register() made sure exists before installing the wrappers that call it."""
+    original = HF_METHODS[name]
+    if original is None:
+        raise RuntimeError(f"transformers.Trainer.{name} is missing: register() refuses this transformers release")
+    return original
+
+
 def _calls(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Name, doc and ``__wrapped__`` of HF's method ``name``: ``inspect.signature`` sees HF's signature
     (code that inspects ``Trainer.__init__``, as ``register()`` does, keeps working)."""
@@ -76,7 +85,7 @@ def _calls(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
 
 @_calls("__init__")
 def _init(self: Any, *args: Any, **kwargs: Any) -> None:
-    HF_METHODS["__init__"](self, *args, **kwargs)
+    _hf("__init__")(self, *args, **kwargs)
     self._onebit_handle = None  # set at on_train_begin under DDP (an accel_plugins.accelerate.OnebitHandle)
     self._comm_at_last_log = (0, 0)
     self.add_callback(_OnebitSetup(self))
@@ -84,7 +93,7 @@ def _init(self: Any, *args: Any, **kwargs: Any) -> None:
 
 @_calls("_save_optimizer_and_scheduler")
 def _save_optimizer_and_scheduler(self: Any, output_dir: str) -> None:
-    HF_METHODS["_save_optimizer_and_scheduler"](self, output_dir)
+    _hf("_save_optimizer_and_scheduler")(self, output_dir)
     optimizer = onebit_optimizer(self)
     if optimizer is not None and _world() > 1:
         save_rank_state(optimizer, self.model_wrapped, output_dir)
@@ -95,7 +104,7 @@ def _save_optimizer_and_scheduler(self: Any, output_dir: str) -> None:
 
 @_calls("_load_optimizer_and_scheduler")
 def _load_optimizer_and_scheduler(self: Any, checkpoint: str | None) -> None:
-    HF_METHODS["_load_optimizer_and_scheduler"](self, checkpoint)
+    _hf("_load_optimizer_and_scheduler")(self, checkpoint)
     optimizer = onebit_optimizer(self)
     if checkpoint is not None and optimizer is not None and _world() > 1:
         load_rank_state(optimizer, self.model_wrapped, checkpoint)
@@ -114,7 +123,7 @@ def _log(self: Any, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
         logs["comm/bytes_sent"] = float(sent)
         if sent:
             logs["comm/compression_ratio"] = fp32 / sent
-    HF_METHODS["log"](self, logs, *args, **kwargs)
+    _hf("log")(self, logs, *args, **kwargs)
 
 
 TRAINER_METHODS: dict[str, Any] = {

@@ -40,6 +40,7 @@ own. Call ``enable_master_weights`` before ``enable_onebit``.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,11 +59,11 @@ from accel_plugins._accelerator import (
     world,
 )
 from accel_plugins.master_weights import MasterWeightsHandle, refuse_grad_scaler
+from lightning_optim.catalogue import OPTIMIZERS
 from lightning_optim.comm import SwitchableAllreduceState, comm_stats, register_switchable_allreduce
 from lightning_optim.comm.dense import agreed_norm
-from lightning_optim.lightning.convert import to_onebit
-from lightning_optim.catalogue import OPTIMIZERS
 from lightning_optim.onebit import OnebitOptimizer
+from lightning_optim.onebit.convert import to_onebit
 from lightning_optim.precision._checks import (
     check_count,
     check_keys,
@@ -142,7 +143,7 @@ class OnebitHandle:
         scaler = getattr(self.accelerator, "scaler", None)
         holders = (scaler._masters_of(params) if isinstance(scaler, MasterWeightsHandle)  # unscaled fp32 grads
                    else [p for p in params if p.grad is not None])
-        local = nn.utils.get_total_norm([t.grad for t in holders], norm_type)
+        local = nn.utils.get_total_norm([g for t in holders if (g := t.grad) is not None], norm_type)  # all have one
         norm = agreed_norm(local, norm_type)
         nn.utils.clip_grads_with_norm_(holders, max_norm, norm)
         return norm
@@ -285,7 +286,7 @@ def _check_rank_arguments(optimizer: Any, model: Any, directory: Any) -> None:
     check_model_and_directory(model, directory)
 
 
-def _check_same_tensors(where: str, saved: Any, live: dict[str, torch.Tensor]) -> None:
+def _check_same_tensors(where: str, saved: Any, live: Mapping[Any, torch.Tensor]) -> None:
     """``saved`` holds exactly ``live``'s keys, each a tensor of the same shape and dtype."""
     check_keys(where, saved, set(live))
     for key, tensor in live.items():

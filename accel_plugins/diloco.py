@@ -1,9 +1,10 @@
 r"""DiLoCo for Hugging Face Accelerate: one call after ``accelerator.prepare``.
 
     model, optimizer, scheduler, loader = accelerator.prepare(model, torch.optim.AdamW(...), scheduler, loader)
-    diloco = accel_plugins.enable_diloco(accelerator, model, optimizer, sync_every=50)
+    diloco = accel_plugins.enable_diloco(accelerator, model, optimizer, sync_every=50, max_steps=1000)
     # the loop stays as it is: accelerator.accumulate, accelerator.backward, clip_grad_norm_, optimizer.step(),
     # scheduler.step(), accelerator.save_state / load_state
+    diloco.finish()   # without max_steps: after the loop, on every rank (one model on every rank)
 
 What ``enable_diloco`` does (the algorithm: :class:`lightning_optim.DiLoCo`, docs/distributed.md):
 
@@ -25,20 +26,29 @@ What ``enable_diloco`` does (the algorithm: :class:`lightning_optim.DiLoCo`, doc
   comm hook already, fp16's GradScaler (a rank skipping a step alone would desynchronise the schedule), master
   weights, DeepSpeed/FSDP, and a process group of several ranks that Accelerate left single-process.
 
+* the end of the run: Accelerate has no event for it, so DiLoCo learns it from ``max_steps`` (the optimizer
+  step the run ends at, counted from the start of training as a resumed checkpoint counts it), or from
+  ``handle.finish()`` called after the loop. With ``max_steps``, rank 0 warns at the first step where no
+  synchronisation falls within the run, and ``finish`` runs by itself right after step ``max_steps``. ``finish``
+  takes one last synchronisation where the ranks hold different params (``final_sync=True``, the default) or
+  warns that they do (``final_sync=False``): see :class:`lightning_optim.DiLoCo`.
+
 ``accelerator.clip_grad_norm_`` clips each rank's local gradients (DiLoCo's inner steps are local).
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
 
-from accel_plugins._diloco import check_settings, install, load_rank_state, save_rank_state
+from accel_plugins._diloco import check_settings, install, resume_rank_state, save_rank_state
 from lightning_optim.comm import CommStats, comm_stats
 from lightning_optim.comm.ddp_hooks import LocalHookState
 from lightning_optim.distributed.diloco import DiLoCo
+from lightning_optim.optim.validation import check_int
 
 __all__ = ["DiLoCoHandle", "enable_diloco"]
 
@@ -53,7 +63,10 @@ class DiLoCoHandle:
     model: nn.Module
     hook: LocalHookState | None
     accelerator: Any
+    max_steps: int | None = None
     _handles: list = field(default_factory=list)
+    _step_hooks: list = field(default_factory=list)
+    _started: bool = False
     _load_dir: str | None = None
 
     def comm_stats(self) -> CommStats:
@@ -64,15 +77,39 @@ class DiLoCoHandle:
         stats = comm_stats()
         return {"bytes_sent": stats.bytes_sent, "inner_steps": self.diloco.inner_steps,
                 "sync_every": self.diloco.sync_every, "fragments": self.diloco.fragments,
+                "final_sync": self.diloco.final_sync, "max_steps": self.max_steps,
                 "compressor": self.diloco.compressor_name,
                 "buckets_local": self.hook.buckets_local if self.hook is not None else 0}
+
+    def finish(self) -> bool:
+        """End the run on every rank (``DiLoCo.finish``): the last synchronisation, or a warning with
+        ``final_sync=False``; whether it synchronised anything (a second call finds nothing left to do)."""
+        return self.diloco.finish("enable_diloco")
+
+    def _first_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        """Before the first inner step (after any ``load_state``): the run-length checks, once."""
+        if self._started or self.max_steps is None:
+            return
+        self._started = True
+        if self.diloco.inner_steps >= self.max_steps:
+            if self.diloco._origin()[1] == 0:
+                warnings.warn(f"enable_diloco: max_steps={self.max_steps}, but the optimizer is at inner step "
+                              f"{self.diloco.inner_steps} already: finish() will not run by itself; call "
+                              "handle.finish() after the loop", UserWarning, stacklevel=2)
+            return
+        self.diloco.warn_if_no_sync(self.max_steps, "enable_diloco")
+
+    def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self.diloco.inner_steps == self.max_steps:
+            self.finish()
 
     def close(self) -> None:
         """Remove the checkpoint hooks (for teardown: the optimizer keeps stepping through DiLoCo, and DDP keeps
         its ``"local"`` hook, which torch cannot unregister)."""
-        for h in self._handles:
+        for h in self._handles + self._step_hooks:
             h.remove()
         self._handles.clear()
+        self._step_hooks.clear()
         vars(self.optimizer).pop("load_state_dict", None)
 
     # ------------------------------------------------------------------ checkpoint hooks
@@ -84,21 +121,33 @@ class DiLoCoHandle:
 
     def _load_optimizer_state(self, state_dict: dict[str, Any]) -> None:
         """The prepared optimizer's ``load_state_dict``: inside ``accelerator.load_state`` (after the model), this
-        rank's own file; otherwise (or where it is missing or from another world size) the state given."""
+        rank's own file (where it is missing or from another world size: the state given, rank 0's, with a
+        warning); otherwise the state given."""
         directory, self._load_dir = self._load_dir, None
-        if directory is not None and load_rank_state(self.diloco, self.model, directory):
-            return
-        self.diloco.load_state_dict(state_dict)
+        if directory is not None:
+            resume_rank_state("enable_diloco", self.diloco, self.model, directory, state_dict)
+        else:
+            self.diloco.load_state_dict(state_dict)
 
 
 def enable_diloco(accelerator: Any, model: nn.Module, optimizer: Any, *, sync_every: int, outer_lr: float = 0.7,
                   outer_momentum: float = 0.9, nesterov: bool = True, fragments: int = 1, overlap: bool = False,
-                  mixing: float | None = None, compressor: Any = None) -> DiLoCoHandle:
+                  mixing: float | None = None, compressor: Any = None, final_sync: bool = True,
+                  max_steps: int | None = None) -> DiLoCoHandle:
     """Train ``model`` with DiLoCo over ``optimizer``'s own optimizer (see the module doc). Call it on every rank
-    right after ``accelerator.prepare``, before the first backward; the arguments are :class:`DiLoCo`'s."""
-    settings = check_settings(sync_every, outer_lr, outer_momentum, nesterov, fragments, overlap, mixing, compressor)
+    right after ``accelerator.prepare``, before the first backward; the arguments are :class:`DiLoCo`'s, and
+    ``max_steps`` (None or an int >= 1, the same on every rank) the optimizer step the run ends at: the
+    run-length warning, and ``finish()`` right after that step (without it: call ``handle.finish()``)."""
+    settings = check_settings(sync_every, outer_lr, outer_momentum, nesterov, fragments, overlap, mixing, compressor,
+                              final_sync)
+    if max_steps is not None:
+        check_int("max_steps", max_steps, 1)
     diloco, hook = install("enable_diloco", accelerator, model, optimizer, settings)
-    handle = DiLoCoHandle(diloco=diloco, optimizer=optimizer, model=model, hook=hook, accelerator=accelerator)
+    handle = DiLoCoHandle(diloco=diloco, optimizer=optimizer, model=model, hook=hook, accelerator=accelerator,
+                          max_steps=max_steps)
+    if max_steps is not None:  # DiLoCo's own step hooks: they see inner steps, not accumulated micro-batches
+        handle._step_hooks.append(diloco.register_step_pre_hook(handle._first_step))
+        handle._step_hooks.append(diloco.register_step_post_hook(handle._after_step))
     optimizer.load_state_dict = handle._load_optimizer_state  # this instance only; close() removes it
     handle._handles.append(accelerator.register_save_state_pre_hook(handle._save_hook))
     handle._handles.append(accelerator.register_load_state_pre_hook(handle._load_hook))

@@ -9,7 +9,8 @@ From the command line, ``HfArgumentParser(accel_plugins.hf.TrainingArguments)`` 
 ``--optim onebit_adam --optim_args "freeze_step=100"``.
 
 Hyper-parameters: ``learning_rate`` -> ``lr``; ``weight_decay``; ``adam_beta1``/``adam_beta2`` ->
-``betas`` (two-beta classes; Adan's three come from ``optim_args``) and ``adam_epsilon`` -> ``eps`` where the class takes them; then ``optim_args``
+``betas`` (two-beta classes; Adan's three come from ``optim_args``) and ``adam_epsilon`` -> ``eps`` where the
+class takes them; then ``optim_args``
 (``key=value`` pairs separated by commas, values typed: ints, floats, ``True``/``False`` (also
 lower case), ``None``, tuples such as ``betas=(0.9,0.99)``) override. An unknown name or key, a key
 given twice, a pair without ``=`` or key, or a bad value (of the wrong type for the class's annotation,
@@ -20,7 +21,8 @@ Names (``lightning_optim.catalogue``): adam, adamw, sgd, lamb, lars, lion, adan,
 stable_adamw, sign_sgd, sparsified_sgd, cpu_adam, fused_adam, fused_lamb, fused_sgd, onebit_adam,
 zero_one_adam, onebit_lamb. In these classes ``sgd`` and ``stable_adamw`` mean ours (HF's own:
 torch.optim.SGD and optimi's StableAdamW; ours are drop-ins for both); every other HF name keeps its
-meaning.
+meaning. The old names ``signsgd`` and ``stableadamw`` (``lightning_optim.catalogue.OPTIMIZER_ALIASES``) are
+taken too: a FutureWarning, then the new name.
 
 Stock classes: ``accel_plugins.hf.register()`` (transformers >= 4.47) makes ``transformers.TrainingArguments``,
 ``HfArgumentParser`` instances created after it, and ``transformers.Trainer`` take our names with the
@@ -44,7 +46,7 @@ from accel_plugins._hf_diloco import DiLoCoArguments, DiLoCoCallback
 from accel_plugins._hf_optim import OPTIM_NAMES, optimizer_cls_and_kwargs, parse_optim_args
 from accel_plugins._hf_register import register, unregister
 from accel_plugins._hf_trainer import TRAINER_METHODS
-from lightning_optim.catalogue import OPTIMIZERS
+from lightning_optim.catalogue import OPTIMIZER_ALIASES, OPTIMIZERS, optimizer_name
 
 __all__ = ["TrainingArguments", "Trainer", "optimizer_cls_and_kwargs", "parse_optim_args", "OPTIM_NAMES", "register",
            "unregister", "DiLoCoCallback", "DiLoCoArguments"]
@@ -64,6 +66,8 @@ class TrainingArguments(transformers.TrainingArguments):
 
     def __post_init__(self) -> None:
         name = str(getattr(self.optim, "value", self.optim))
+        if name in OPTIMIZER_ALIASES and name not in _HF_NAMES:
+            name = optimizer_name(name)  # an old name of ours (signsgd): warns, then it is the new one
         ours = name in OPTIMIZERS
         if not ours and name not in _HF_NAMES:
             raise ValueError(f"optim: {name!r} is neither an HF optimizer name nor one of lightning-optim's "

@@ -112,9 +112,11 @@ class MasterWeightsHandle:
         self.skipped_steps = skipped
 
     # ------------------------------------------------------------------ the step
-    def _unscale(self) -> None:
+    def _unscale(self) -> Tensor:
+        """Move this step's grads to the masters once (unscaled); the local inf/NaN flag."""
         if self._found is None:
             self._found = self.masters.grads_to_masters(self.get_scale() ** -1)
+        return self._found
 
     def optimizer_step(self, closure: Any = None) -> None:
         """``optimizer.step()`` of the prepared optimizer: one master step when gradients are synced."""
@@ -124,12 +126,12 @@ class MasterWeightsHandle:
             return  # accumulating: the 16-bit grads keep summing
         inner = unwrap_optimizer(self.optimizer)
         self.masters.check_steps_masters(inner)  # before the grads move: still the masters after a reload?
-        self._unscale()
-        found, self._found = self._found, None
+        found, self._found = self._unscale(), None
         # one 4-byte all-reduce: every rank skips the same steps
-        overflow = self.loss_scaler is not None and self.loss_scaler.agree(found)
-        if overflow:
-            self.loss_scaler.update(True)
+        scaler = self.loss_scaler
+        overflow = scaler is not None and scaler.agree(found)
+        if scaler is not None and overflow:
+            scaler.update(True)
             self.skipped_steps += 1
             self.masters.zero_master_grads()
         else:
@@ -222,11 +224,12 @@ def enable_master_weights(accelerator: Any, model: nn.Module, optimizer: Any,
     if not dtypes & set(LOW_PRECISION):
         raise ValueError(f"model: no fp16/bf16 parameters (dtypes {sorted(map(str, dtypes))}); convert it with "
                          "model.half() or model.to(torch.bfloat16) before accelerator.prepare")
+    scaler = loss_scaler if isinstance(loss_scaler, DynamicLossScaler) else None  # checked above: or None
     if auto:
-        loss_scaler = DynamicLossScaler() if torch.float16 in dtypes else None
+        scaler = DynamicLossScaler() if torch.float16 in dtypes else None
     masters = MasterWeights(params)
     masters.swap_into(inner)  # the first change: everything above only checked
-    handle = MasterWeightsHandle(accelerator, optimizer, masters, loss_scaler)
+    handle = MasterWeightsHandle(accelerator, optimizer, masters, scaler)
     accelerator.scaler = handle
     optimizer.step = handle.optimizer_step  # on this instance only; close() removes it
     handle._methods.replace("clip_grad_norm_", handle.clip_grad_norm_)

@@ -50,7 +50,7 @@ def configs(steps: int) -> dict[str, list[str]]:
         "PowerSGD r4": ["strategy=powersgd", "strategy.matrix_approximation_rank=4",
                         f"strategy.start_powerSGD_iter={max(2, freeze)}"],
         "top-k 1%": ["strategy=topk", "strategy.ratio=0.01"],
-        "EF-sign": ["strategy=signsgd"],
+        "EF-sign": ["strategy=sign_sgd"],
         "1-bit Adam": ["strategy=onebit_adam", f"strategy.freeze_step={freeze}"],
         "0/1 Adam": ["strategy=zero_one_adam", f"strategy.var_freeze_step={freeze}"],
         "decentralized ring": ["strategy=decentralized", "strategy.neighbors=ring", "strategy.consensus_every=0"],

@@ -14,7 +14,8 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 
-__all__ = ["OptimizerEntry", "StrategyEntry", "OPTIMIZERS", "DISTRIBUTED", "STRATEGIES", "optimizer_class"]
+__all__ = ["OptimizerEntry", "StrategyEntry", "OPTIMIZERS", "DISTRIBUTED", "STRATEGIES", "OPTIMIZER_ALIASES",
+           "STRATEGY_ALIASES", "optimizer_class", "optimizer_name", "strategy_name"]
 
 
 def _resolve(target: str) -> type:
@@ -104,7 +105,7 @@ STRATEGIES: dict[str, StrategyEntry] = {e.name: e for e in (
                   "all-gathered"),
     StrategyEntry("randomk", "RandomKStrategy",
                   "DDP + random-k sparsified gradients with error feedback (lightning_optim)"),
-    StrategyEntry("signsgd", "SignSGDStrategy",
+    StrategyEntry("sign_sgd", "SignSGDStrategy",
                   "DDP + EF-SignSGD (lightning_optim): scaled 1-bit signs with error feedback, or majority vote"),
     StrategyEntry("decentralized", "DecentralizedStrategy",
                   "Decentralized SGD (lightning_optim): local gradients, then gossip of the params with neighbours "
@@ -124,9 +125,36 @@ STRATEGIES: dict[str, StrategyEntry] = {e.name: e for e in (
 )}
 
 
+# Old names that still work everywhere a name is taken (Hydra option, HF ``optim``, Lightning ``strategy=``):
+# each resolves to its new name with one FutureWarning. An old name is never a current one.
+OPTIMIZER_ALIASES: dict[str, str] = {"signsgd": "sign_sgd", "stableadamw": "stable_adamw"}
+STRATEGY_ALIASES: dict[str, str] = {"signsgd": "sign_sgd"}
+
+
+def optimizer_name(name: str) -> str:
+    """``name``, or the name an old one (:data:`OPTIMIZER_ALIASES`) now has, with a ``FutureWarning``."""
+    if name in OPTIMIZER_ALIASES:
+        from lightning_optim.renames import warn_renamed
+
+        warn_renamed("optimizer name", name, OPTIMIZER_ALIASES[name])
+        return OPTIMIZER_ALIASES[name]
+    return name
+
+
+def strategy_name(name: str) -> str:
+    """``name``, or the name an old one (:data:`STRATEGY_ALIASES`) now has, with a ``FutureWarning``."""
+    if name in STRATEGY_ALIASES:
+        from lightning_optim.renames import warn_renamed
+
+        warn_renamed("strategy", name, STRATEGY_ALIASES[name])
+        return STRATEGY_ALIASES[name]
+    return name
+
+
 def optimizer_class(name: str) -> type:
-    """The class of ``name``; ``ValueError`` listing the names otherwise."""
-    entry = OPTIMIZERS.get(name)
+    """The class of ``name`` (an old name warns, see :func:`optimizer_name`); ``ValueError`` listing the names
+    otherwise."""
+    entry = OPTIMIZERS.get(optimizer_name(name))
     if entry is None:
         raise ValueError(f"optimizer name {name!r} is not one of lightning_optim's: {', '.join(sorted(OPTIMIZERS))}")
     return entry.cls

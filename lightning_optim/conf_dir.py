@@ -1,4 +1,4 @@
-"""Where the main job's Hydra tree (``conf/``) is, and the optimizer option names kept for old commands.
+"""Where the main job's Hydra tree (``conf/``) is, and the option names kept for old commands.
 
 The repository's top-level ``conf/`` is the one source. A wheel carries a copy inside the package
 (setup.py copies it to ``lightning_optim/conf``); a source checkout or an editable install reads the
@@ -10,15 +10,17 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
-__all__ = ["OPTIMIZER_ALIASES", "conf_dir", "deprecated_choices"]
+from lightning_optim.catalogue import OPTIMIZER_ALIASES, STRATEGY_ALIASES
+
+__all__ = ["OPTIMIZER_ALIASES", "STRATEGY_ALIASES", "ALIASES", "conf_dir", "deprecated_choices"]
 
 _PACKAGE = Path(__file__).resolve().parent
 # Installed wheel first, then the checkout this package sits in.
 _CANDIDATES = (_PACKAGE / "conf", _PACKAGE.parent / "conf")
 
-# Deprecated optimizer option -> the catalogue name it composes to (conf/optimizer/<old>.yaml only
-# includes conf/optimizer/<new>.yaml). Kept so existing commands and sweeps still run.
-OPTIMIZER_ALIASES: dict[str, str] = {"signsgd": "sign_sgd", "stableadamw": "stable_adamw"}
+# Config group -> deprecated option -> the catalogue name it composes to (conf/<group>/<old>.yaml only
+# includes conf/<group>/<new>.yaml). Kept so existing commands and sweeps still run.
+ALIASES: dict[str, dict[str, str]] = {"optimizer": OPTIMIZER_ALIASES, "strategy": STRATEGY_ALIASES}
 
 
 def conf_dir() -> Path:
@@ -31,7 +33,9 @@ def conf_dir() -> Path:
 
 def deprecated_choices(choices: Mapping[str, str | None]) -> list[str]:
     """One message per deprecated option among Hydra's runtime choices (``group -> option``)."""
-    old = choices.get("optimizer")
-    if old in OPTIMIZER_ALIASES:
-        return [f"optimizer={old} is a deprecated name; use optimizer={OPTIMIZER_ALIASES[old]} (same config)"]
-    return []
+    messages = []
+    for group, renamed in ALIASES.items():
+        old = choices.get(group)
+        if old is not None and old in renamed:
+            messages.append(f"{group}={old} is a deprecated name; use {group}={renamed[old]} (same config)")
+    return messages

@@ -21,17 +21,30 @@ import importlib
 import inspect
 import re
 import typing
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sized
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
-from lightning_optim.config_rules import (BOOL, NULL, SECTION, TEXT, Rule, culprit, integer, is_int, named_key, number,
-                                          one_of, parameter_rules, refused)
+from lightning_optim.config_rules import (
+    BOOL,
+    NULL,
+    SECTION,
+    TEXT,
+    Rule,
+    culprit,
+    integer,
+    is_int,
+    named_key,
+    number,
+    one_of,
+    parameter_rules,
+    refused,
+)
 from lightning_optim.onebit import OnebitOptimizer
 
 __all__ = ["ConfigError", "SCHEMA", "check_config", "checked_datamodule", "key_rules", "resolved", "trainer_error"]
@@ -60,7 +73,7 @@ def _owned(group: str) -> Rule:
 # set them all); "trainer" keys are optional (lightning.Trainer's defaults) and extended by its signature.
 SCHEMA: dict[str, dict[str, Rule]] = {
     "": {"seed": _SEED, "gradient_release": BOOL, "split_weight_decay": BOOL, "scheduler": NULL | SECTION,
-         **{group: SECTION for group in GROUPS}},
+         **dict.fromkeys(GROUPS, SECTION)},
     "scheduler": {"warmup_steps": integer(0), "min_lr_ratio": number(0, 1)},
     "model": {"n_layer": integer(1), "n_head": integer(1), "d_model": integer(1), "mlp_ratio": integer(1),
               "dropout": number(0, 1, open_high=True)},
@@ -101,7 +114,7 @@ _HYDRA_RULES = {"_target_": TEXT, "_partial_": BOOL, "_recursive_": BOOL,
                 "_convert_": one_of("none", "partial", "object", "all")}
 
 
-def _required_parameters(cls: type, partial: bool) -> list[str]:
+def _required_parameters(cls: Callable[..., Any], partial: bool) -> list[str]:
     params = [p for p in inspect.signature(cls).parameters.values() if p.kind in (p.POSITIONAL_OR_KEYWORD,
                                                                                   p.KEYWORD_ONLY)]
     return [p.name for p in params[1 if partial else 0:] if p.default is _EMPTY]  # a partial gets params later
@@ -172,7 +185,9 @@ def _check_required(cfg: dict[str, Any]) -> None:
     """The declared keys of the sections the job reads; a constructor's arguments without a default."""
     for section in _REQUIRED_SECTIONS:
         options = cfg if section == "" else cfg.get(section)
-        for key in SCHEMA[section] if isinstance(options, dict) else ():
+        if not isinstance(options, dict):
+            continue
+        for key in SCHEMA[section]:
             if key not in options:
                 raise ConfigError(f"{_join(section, key)}: required, missing (it must be {SCHEMA[section][key].says})")
     for section in ("optimizer", "strategy", "precision"):
@@ -237,7 +252,7 @@ def _build(cfg: dict[str, Any]) -> _Built:
         strategy = _check("strategy", cfg["strategy"], hydra.utils.instantiate)
         target = getattr(strategy, "optimizer_class", None)
         if target is not None and not isinstance(optimizer, OnebitOptimizer):  # the strategy will convert it
-            from lightning_optim.lightning.convert import to_onebit
+            from lightning_optim.onebit.convert import to_onebit
 
             try:
                 to_onebit(optimizer, target, getattr(strategy, "_knobs", {}))
@@ -362,8 +377,38 @@ def _strategy_conflicts(cfg: dict[str, Any], built: _Built) -> None:
                           f"{cfg['strategy']['_target_']} already hands it averaged gradients; use a local optimizer")
 
 
+def _processes_per_node(trainer: dict[str, Any]) -> int | None:
+    """The processes Lightning starts on each node for ``trainer.devices`` (None: it cannot tell here)."""
+    from lightning.pytorch.accelerators import AcceleratorRegistry
+
+    accelerator = AcceleratorRegistry[_accelerator(trainer)]["accelerator"]
+    devices = trainer.get("devices", "auto")
+    try:
+        if devices == "auto":
+            return int(accelerator.auto_device_count())
+        return len(accelerator.get_parallel_devices(accelerator.parse_devices(devices)))
+    except Exception:  # noqa: BLE001 - Lightning refuses such devices itself (its message names trainer.devices)
+        return None
+
+
+def _strategy_fits_the_world(cfg: dict[str, Any], built: _Built) -> None:
+    """What a strategy refuses for the world it runs on (``check_world``: node sizes, meshes, topologies)."""
+    check_world = getattr(built.strategy, "check_world", None)
+    per_node = _processes_per_node(cfg["trainer"])
+    if check_world is None or per_node is None:
+        return
+    nodes = cfg["trainer"].get("num_nodes", 1)
+    try:
+        check_world(per_node, nodes)
+    except (TypeError, ValueError) as exc:
+        key = named_key([k for k in cfg["strategy"] if not k.startswith("_")], str(exc))
+        world = (f"trainer.devices={cfg['trainer'].get('devices', 'auto')!r} x trainer.num_nodes={nodes}: "
+                 f"{per_node * nodes} processes")
+        raise ConfigError(f"strategy{'.' + key if key else ''}: {exc} [{world}]") from None
+
+
 _INTERPLAY = (_devices_exist, _heads_divide_width, _validation_is_by_steps, _scheduler_has_steps,
-              _release_conflicts, _strategy_conflicts)
+              _release_conflicts, _strategy_conflicts, _strategy_fits_the_world)
 
 
 def check_config(cfg: dict[str, Any]) -> None:
@@ -378,7 +423,7 @@ def check_config(cfg: dict[str, Any]) -> None:
 def resolved(config: DictConfig) -> dict[str, Any]:
     """Plain containers; a missing mandatory value (``???``) or a broken interpolation names its key."""
     try:
-        return OmegaConf.to_container(config, resolve=True, throw_on_missing=True)
+        return cast(dict[str, Any], OmegaConf.to_container(config, resolve=True, throw_on_missing=True))  # a dict
     except MissingMandatoryValue as exc:
         raise ConfigError(f"{exc.full_key}: required, no default (set {exc.full_key}=<value>)") from None
     except OmegaConfBaseException as exc:
@@ -395,7 +440,7 @@ def checked_datamodule(cfg: dict[str, Any]) -> Any:
         datamodule.setup()
     except (OSError, ValueError) as exc:
         raise ConfigError(f"{named_key([f'data.{k}' for k in cfg['data']], str(exc)) or 'data.path'}: {exc}") from None
-    _interval_fits_an_epoch(cfg, len(datamodule.train_set))
+    _interval_fits_an_epoch(cfg, len(cast(Sized, datamodule.train_set)))  # set by setup()
     return datamodule
 
 

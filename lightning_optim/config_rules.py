@@ -109,23 +109,27 @@ def annotation_rule(annotation: Any, default: Any = _EMPTY) -> Rule | None:
     if origin is tuple and args and args[-1] is not Ellipsis:
         return _sequence([annotation_rule(a) for a in args])
     if origin in (list, tuple, Sequence, Iterable):
-        inner = annotation_rule(args[0]) if args else ANYTHING
-        return None if inner is None else Rule(lambda v: isinstance(v, (list, tuple)) and all(map(inner.test, v)),
-                                               f"a list (each {inner.says})")
+        item = annotation_rule(args[0]) if args else ANYTHING
+        if item is None:
+            return None
+        return Rule(lambda v: isinstance(v, (list, tuple)) and all(map(item.test, v)), f"a list (each {item.says})")
     if origin in (dict, Mapping):
-        inner = annotation_rule(args[1]) if len(args) == 2 else ANYTHING
-        return None if inner is None else Rule(lambda v: isinstance(v, dict) and all(map(inner.test, v.values())),
-                                               f"a mapping (each value {inner.says})")
+        value = annotation_rule(args[1]) if len(args) == 2 else ANYTHING
+        if value is None:
+            return None
+        return Rule(lambda v: isinstance(v, dict) and all(map(value.test, v.values())),
+                    f"a mapping (each value {value.says})")
     return None
 
 
 def _sequence(items: list[Rule | None]) -> Rule | None:
-    if any(rule is None for rule in items):
+    rules = [rule for rule in items if rule is not None]
+    if len(rules) != len(items):
         return None
-    says = {rule.says for rule in items}
-    each = f"each {items[0].says}" if len(says) == 1 else ", ".join(rule.says for rule in items)
-    return Rule(lambda v: isinstance(v, (list, tuple)) and len(v) == len(items)
-                and all(rule.test(x) for rule, x in zip(items, v)), f"a list of {len(items)} values ({each})")
+    says = {rule.says for rule in rules}
+    each = f"each {rules[0].says}" if len(says) == 1 else ", ".join(rule.says for rule in rules)
+    return Rule(lambda v: isinstance(v, (list, tuple)) and len(v) == len(rules)
+                and all(rule.test(x) for rule, x in zip(rules, v)), f"a list of {len(rules)} values ({each})")
 
 
 def _hints(function: Callable[..., Any]) -> dict[str, Any]:
@@ -153,11 +157,12 @@ def _init_chain(target: Callable[..., Any]) -> list[Callable[..., Any]]:
     for owner in target.__mro__:
         if owner is object or "__init__" not in vars(owner):
             continue
-        chain.append(owner.__init__)
+        init = vars(owner)["__init__"]
+        chain.append(init)
         if owner is DDPStrategy:
             chain.append(torch.nn.parallel.DistributedDataParallel.__init__)
             break
-        if not any(p.kind is p.VAR_KEYWORD for p in inspect.signature(owner.__init__).parameters.values()):
+        if not any(p.kind is p.VAR_KEYWORD for p in inspect.signature(init).parameters.values()):
             break
     return chain
 
@@ -167,7 +172,8 @@ _SET_BY_LIGHTNING = {"module", "device_ids", "output_device", "process_group", "
 
 @functools.cache
 def parameter_rules(target: Callable[..., Any]) -> dict[str, Rule]:
-    """Every keyword ``target(...)`` takes -> the values a config may give it (annotation, else the default's type)."""
+    """Every keyword ``target(...)`` takes -> the values a config may give it (annotation, else the default's type);
+    an argument's aliases take what it takes."""
     rules: dict[str, Rule] = {}
     for function in _init_chain(target):
         hints = _hints(function)
@@ -177,6 +183,9 @@ def parameter_rules(target: Callable[..., Any]) -> dict[str, Rule]:
                 continue
             rule = annotation_rule(hints.get(name, _EMPTY), param.default)
             rules.setdefault(name, rule or refused("not settable from a config (it takes an object)"))
+        for alias in getattr(function, "__argument_aliases__", ()):  # the seeds' spellings (lightning_optim.renames)
+            if alias.new in rules:
+                rules.setdefault(alias.old, rules[alias.new])
     return rules
 
 
@@ -196,7 +205,7 @@ def culprit(options: dict[str, Any], build: Callable[[dict[str, Any]], Any], exc
     for key in keys:
         try:
             build({k: v for k, v in options.items() if k != key})
-        except Exception:  # noqa: BLE001 - still failing: not this key
+        except Exception:  # noqa: BLE001, S112 - still failing: not this key
             continue
         return key
     return None

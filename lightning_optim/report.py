@@ -12,13 +12,14 @@ import csv
 import json
 import math
 from collections.abc import Sequence
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
 import matplotlib
 
 matplotlib.use("Agg")  # no display on servers/CI; must precede pyplot
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
 # One point of the job's byte trace: (step, bytes sent so far, fp32 DDP bytes so far, DDP's allreduce ran).
 TracePoint = tuple[int, int, int, bool]
@@ -37,7 +38,7 @@ def read_metric(csv_path: Path, name: str) -> list[tuple[int, float]]:
 def stage_switch_step(trace: Sequence[TracePoint]) -> int | None:
     """The first step that ran without DDP's allreduce after one that ran with it (the 1-bit stage
     switch), or None. Steps are metrics.csv's (0-based: the optimizer step just taken)."""
-    for (_, _, _, before), (step, _, _, now) in zip(trace, trace[1:]):
+    for (_, _, _, before), (step, _, _, now) in pairwise(trace):
         if before and not now:
             return step
     return None
@@ -147,8 +148,8 @@ def format_table(summary: dict[str, Any]) -> str:
             without += f", from step {comm['stage_switch_step']}"
         rows.append((
             "bytes sent per rank",
-            f"{format_bytes(comm['bytes_sent'])} vs {format_bytes(comm['fp32_bytes'])} for {baseline} "
-            f"({compare_bytes(comm['bytes_sent'], comm['fp32_bytes'])}; {without})",
+            (f"{format_bytes(comm['bytes_sent'])} vs {format_bytes(comm['fp32_bytes'])} for {baseline} "
+             f"({compare_bytes(comm['bytes_sent'], comm['fp32_bytes'])}; {without})"),
         ))
     width = max(len(label) for label, _ in rows)
     lines = ["lightning-optim run summary"] + [f"  {label:<{width}}  {value}" for label, value in rows]

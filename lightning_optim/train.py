@@ -24,21 +24,27 @@ import time
 import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
-import hydra
-import lightning as L
-from hydra.core.hydra_config import HydraConfig
-from lightning.pytorch.callbacks import RichProgressBar
-from lightning.pytorch.callbacks.progress.rich_progress import _RICH_AVAILABLE
-from lightning.pytorch.loggers import CSVLogger
-from lightning.pytorch.utilities import rank_zero_only
-from omegaconf import DictConfig, OmegaConf
+try:
+    import hydra
+    import lightning as L
+    from hydra.core.hydra_config import HydraConfig
+    from lightning.pytorch.callbacks import RichProgressBar
+    from lightning.pytorch.callbacks.progress.rich_progress import _RICH_AVAILABLE
+    from lightning.pytorch.loggers import CSVLogger
+    from lightning.pytorch.utilities import rank_zero_only
+    from omegaconf import DictConfig, OmegaConf
 
-from lightning_optim.conf_dir import conf_dir, deprecated_choices
-from lightning_optim.config_check import ConfigError, check_config, checked_datamodule, resolved, trainer_error
-from lightning_optim.model import LanguageModel
-from lightning_optim.report import format_table, plot_losses, stage_switch_step, write_summary
+    from lightning_optim.conf_dir import conf_dir, deprecated_choices
+    from lightning_optim.config_check import ConfigError, check_config, checked_datamodule, resolved, trainer_error
+    from lightning_optim.model import LanguageModel
+    from lightning_optim.report import format_table, plot_losses, stage_switch_step, write_summary
+except ModuleNotFoundError:  # say which extra brings Hydra, Lightning and matplotlib (the report's plot)
+    from lightning_optim.extras import require
+
+    require("train", "the main job (lightning_optim.train)")
+    raise
 
 # Absolute, found at import: the repository's conf/ in a checkout, lightning_optim/conf in a wheel.
 # --config-path replaces it, --config-dir adds a user's tree beside it, --config-name picks the primary.
@@ -50,7 +56,7 @@ log = logging.getLogger("lightning_optim.train")
 
 def note(message: str) -> None:
     """One line for the console and the job log, from rank 0 only (every rank runs the same config)."""
-    if rank_zero_only.rank == 0:
+    if rank_zero_only.rank == 0:  # type: ignore[attr-defined]  # Lightning sets .rank on the function object
         log.info("lightning-optim: %s", message)
 
 
@@ -88,7 +94,7 @@ class CommTrace(L.Callback):
         if not totals or totals["steps"] == self._steps:  # no optimizer step since the last batch (accumulation)
             return
         self._steps = totals["steps"]
-        ddp = bool(strategy.comm_last_step.get("ddp_allreduce", True))
+        ddp = bool(getattr(strategy, "comm_last_step", {}).get("ddp_allreduce", True))  # with comm_totals above
         self.points.append((trainer.global_step - 1, totals["bytes_sent"], totals["fp32_bytes"], ddp))
         if self.switch_step is None:  # the first switch only (ZeroOneAdam's variance steps come back to DDP's)
             self.switch_step = stage_switch_step(self.points[-2:])
@@ -176,7 +182,7 @@ def _set_on_command_line(overrides: Sequence[str], key: str) -> bool:
 def _shipped(group: str, option: str) -> Any:
     """An option of the shipped tree as a plain container (its ``group`` part for a ``_global_`` one)."""
     path = conf_dir() / group / f"{option}.yaml"
-    data = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    data: Any = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
     return data.get(group) if "@package _global_" in path.read_text() else data
 
 
@@ -194,7 +200,8 @@ def release_defaults(cfg: dict[str, Any], overrides: Sequence[str] | None) -> li
         cfg["trainer"]["gradient_clip_val"] = None
         notes.append(f"gradient_release=true: no gradient clipping (the default trainer.gradient_clip_val={clip} "
                      "is dropped: each gradient is stepped and freed during backward)")
-    defaults = OmegaConf.to_container(OmegaConf.load(conf_dir() / f"{CONFIG_NAME}.yaml"))["defaults"]
+    primary: Any = OmegaConf.to_container(OmegaConf.load(conf_dir() / f"{CONFIG_NAME}.yaml"))
+    defaults = primary["defaults"]
     strategy = next((item["strategy"] for item in defaults if isinstance(item, dict) and "strategy" in item), None)
     if (strategy not in (None, "ddp", "auto") and cfg["strategy"] == _shipped("strategy", strategy)
             and not _set_on_command_line(overrides, "strategy")):
@@ -262,8 +269,9 @@ def run(config: DictConfig, output_dir: Path, overrides: Sequence[str] | None = 
     if callable(comm_summary):
         summary["comm"] = {**comm_summary(), "stage_switch_step": trace.switch_step}
     if trainer.is_global_zero:
-        trainer.logger.save()
-        plot_losses(Path(trainer.logger.log_dir) / "metrics.csv", output_dir / "loss.png", trace.points)
+        logger = cast(CSVLogger, trainer.logger)  # build_trainer's
+        logger.save()
+        plot_losses(Path(logger.log_dir) / "metrics.csv", output_dir / "loss.png", trace.points)
         write_summary(output_dir / "summary.json", summary)
         log.info(format_table(summary))
     return summary

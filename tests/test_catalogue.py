@@ -1,5 +1,5 @@
 """The one catalogue of names (lightning_optim.catalogue) against everything that names optimizers and
-strategies: the top-level exports (runtime and the type-checking imports), the Lightning registries,
+strategies: the top-level exports (plain imports, ``__all__``), the Lightning registries (old names too),
 the strategies' optimizer classes, the Accelerate helper and the HF names. The Hydra groups are
 checked against it in tests/test_configs.py."""
 
@@ -8,13 +8,21 @@ from __future__ import annotations
 import ast
 import importlib
 import inspect
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
 
 import lightning_optim
-from lightning_optim.catalogue import DISTRIBUTED, OPTIMIZERS, STRATEGIES, optimizer_class
+from lightning_optim.catalogue import (
+    DISTRIBUTED,
+    OPTIMIZER_ALIASES,
+    OPTIMIZERS,
+    STRATEGIES,
+    STRATEGY_ALIASES,
+    optimizer_class,
+)
 from lightning_optim.onebit import OnebitOptimizer
 
 
@@ -42,14 +50,30 @@ def test_no_optimizer_is_exported_outside_the_catalogue():
     assert optimizers == {e.export for e in OPTIMIZERS.values()} | {e.export for e in DISTRIBUTED.values()}
 
 
-def test_the_type_checking_imports_name_the_same_classes():
+def test_the_exports_are_plain_imports_and_all_is_the_catalogue():
+    """``__all__`` is a plain list: the catalogue's classes plus the named helpers; each optimizer is a plain
+    ``from ... import`` of the package, naming the very class the catalogue points to; the strategies (they need
+    Lightning) load on first access."""
     tree = ast.parse(Path(lightning_optim.__file__).read_text())
-    block = next(node for node in tree.body if isinstance(node, ast.If) and getattr(node.test, "id", "") == "TYPE_CHECKING")
-    imported = {(node.module, alias.name) for node in block.body for alias in node.names}
-    for module, name in imported:
-        assert getattr(importlib.import_module(module), name) is getattr(lightning_optim, name)
-    expected = {e.export for table in (OPTIMIZERS, DISTRIBUTED, STRATEGIES) for e in table.values()}
-    assert {name for _, name in imported} == expected
+    (listed,) = [node.value for node in tree.body if isinstance(node, ast.Assign)
+                 and any(getattr(t, "id", "") == "__all__" for t in node.targets)]
+    assert isinstance(listed, ast.List) and all(isinstance(e, ast.Constant) for e in listed.elts)
+    assert [e.value for e in listed.elts] == lightning_optim.__all__
+    assert not any(isinstance(node, ast.If) for node in tree.body if "TYPE_CHECKING" in ast.dump(node))
+    assert "globals()" not in Path(lightning_optim.__file__).read_text()
+    helpers = {"DynamicLossScaler", "FP16Optimizer", "FlatParameters", "MasterWeights", "flatten_parameters",
+               "prepare_for_gradient_release", "remove_gradient_release"}
+    catalogue = {e.export for table in (OPTIMIZERS, DISTRIBUTED, STRATEGIES) for e in table.values()}
+    assert len(lightning_optim.__all__) == len(set(lightning_optim.__all__))
+    assert set(lightning_optim.__all__) == catalogue | helpers
+    imported = {alias.asname or alias.name: node.module for node in tree.body if isinstance(node, ast.ImportFrom)
+                for alias in node.names}
+    for table in (OPTIMIZERS, DISTRIBUTED):
+        for entry in table.values():
+            assert entry.export in imported, f"{entry.export} is not a plain import of lightning_optim/__init__.py"
+            assert getattr(importlib.import_module(imported[entry.export]), entry.export) is entry.cls
+    for entry in STRATEGIES.values():
+        assert entry.export not in imported and entry.export in dir(lightning_optim)
 
 
 def test_an_unknown_name_lists_the_names():
@@ -82,3 +106,33 @@ def test_the_integrations_read_the_catalogue():
     from accel_plugins.hf import OPTIM_NAMES
 
     assert set(OPTIM_NAMES) == set(OPTIMIZERS)
+
+
+@pytest.mark.parametrize("package", ["lightning.pytorch", "pytorch_lightning"])
+def test_an_old_strategy_name_builds_the_new_names_class_with_one_warning(package):
+    """``Trainer(strategy="signsgd")`` asks the registry for the old name: the new name's class comes back,
+    after one FutureWarning naming both; nothing else warns (a name not renamed does not)."""
+    pytest.importorskip(package)
+    registry = importlib.import_module(f"{package}.strategies").StrategyRegistry
+    assert STRATEGY_ALIASES and not set(STRATEGY_ALIASES) & set(STRATEGIES)
+    for old, new in STRATEGY_ALIASES.items():
+        assert new in STRATEGIES and old in registry.available_strategies()
+        with pytest.warns(FutureWarning) as record:
+            strategy = registry.get(old)
+        assert len(record) == 1 and f"{old!r}" in str(record[0].message) and f"{new!r}" in str(record[0].message)
+        assert type(strategy) is registry[new]["strategy"]
+        assert "lightning_optim" not in record[0].filename  # it points at the caller, not at our factory
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert type(registry.get(new)) is type(strategy)
+
+
+def test_an_old_optimizer_name_resolves_with_one_warning():
+    assert OPTIMIZER_ALIASES and not set(OPTIMIZER_ALIASES) & set(OPTIMIZERS)
+    for old, new in OPTIMIZER_ALIASES.items():
+        with pytest.warns(FutureWarning, match=f"'{old}' is a deprecated name; use '{new}'") as record:
+            assert optimizer_class(old) is OPTIMIZERS[new].cls
+        assert len(record) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert optimizer_class("sign_sgd") is lightning_optim.SignSGD

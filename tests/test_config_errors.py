@@ -9,14 +9,15 @@ import subprocess
 import pytest
 from omegaconf import OmegaConf
 
-from lightning_optim.conf_dir import OPTIMIZER_ALIASES, conf_dir
+from lightning_optim.conf_dir import OPTIMIZER_ALIASES, STRATEGY_ALIASES, conf_dir
 from lightning_optim.config_check import ConfigError, check_config
 from tests.cli import run_cli
 
 CONF = conf_dir()
 # A deprecated alias composes to its target's config (tests/test_configs.py): checked once, by its new name.
 OPTIMIZERS = sorted(p.stem for p in (CONF / "optimizer").glob("*.yaml") if p.stem not in OPTIMIZER_ALIASES)
-STRATEGIES = sorted(p.name[:-5] for p in (CONF / "strategy").iterdir() if p.name.endswith(".yaml"))
+STRATEGIES = sorted(p.name[:-5] for p in (CONF / "strategy").iterdir()
+                    if p.name.endswith(".yaml") and p.name[:-5] not in STRATEGY_ALIASES)
 BAD = ["abc", float("nan"), -1.0]
 
 
@@ -87,6 +88,19 @@ def test_the_job_exits_with_the_key_before_training(tmp_path):
         assert "Traceback" not in done.stderr and "val_loss" not in done.stdout  # nothing validated or trained
 
 
+@pytest.mark.parametrize("overrides,key", [
+    (("strategy=onebit_fsdp", "strategy.replicate_size=3"), "strategy.replicate_size"),
+    (("strategy=onebit_fsdp", "trainer.devices=3"), "strategy.replicate_size"),
+    (("strategy=onebit_adam", "strategy.hierarchical=3"), "strategy.hierarchical"),
+])
+def test_a_strategy_that_cannot_run_on_the_world_stops_the_job_in_one_line(tmp_path, overrides, key):
+    done = _job(*overrides, cwd=tmp_path)  # (the Trainer would start every rank first, then refuse in setup)
+    assert done.returncode == 2, (overrides, done.stderr[-2000:])
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"lightning-optim: bad config value: {key}: "), lines[-5:]
+    assert "val_loss" not in done.stdout
+
+
 def test_a_zero_step_run_reports(tmp_path):
     done = _job("trainer.max_steps=0", "scheduler=null", "strategy=auto", "trainer.devices=1", cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -133,3 +147,84 @@ def test_strategy_hierarchical_is_checked_by_key(compose_train, strategy, optimi
         cfg = OmegaConf.to_container(compose_train(*chosen, f"strategy.hierarchical={bad}"), resolve=True)
         with pytest.raises(ConfigError, match=rf"^strategy.hierarchical: .*{re.escape(says)}"):
             check_config(cfg)
+
+
+# The strategy keys whose valid values depend on the world (trainer.devices x trainer.num_nodes), and, written
+# here from each strategy's documented rule, whether a value fits `per_node` processes on each of `nodes` nodes.
+def _replicas(value, nodes):
+    return nodes if value == "auto" else value
+
+
+WORLD_KEYS = {
+    "hierarchical": ([False, True, 1, 2, 3, 4], lambda v, per_node, nodes: isinstance(v, bool)
+                     or (per_node * nodes) % v == 0),
+    "replicate_size": (["auto", 2, 3, 4], lambda v, per_node, nodes: _replicas(v, nodes) >= 2
+                       and (per_node * nodes) % _replicas(v, nodes) == 0
+                       and (per_node * nodes) // _replicas(v, nodes) >= 2),
+    "neighbors": (["ring", "torus", "exponential", "torus:2x2", [[1], [0]]],
+                  lambda v, per_node, nodes: {"torus:2x2": 4, "[[1], [0]]": 2}.get(str(v), per_node * nodes)
+                  == per_node * nodes),
+}
+WORLDS = [(per_node, nodes) for nodes in (1, 2) for per_node in (1, 2, 3, 4)]
+
+
+@pytest.mark.parametrize("option", STRATEGIES)
+def test_every_strategy_is_checked_against_the_world_before_the_trainer(compose_train, option):
+    """Every strategy option on every world of 1-4 processes per node and 1-2 nodes, each world-dependent key
+    at each value: refused up front (naming the key and the world) exactly where the rule says it cannot run."""
+    base = _compose(compose_train, "strategy", option)
+    keys = [k for k in WORLD_KEYS if k in base["strategy"]]
+    cases = [(None, None)] + [(k, v) for k in keys for v in WORLD_KEYS[k][0]]
+    refused = 0
+    for key, value in cases:
+        for per_node, nodes in WORLDS:
+            cfg = _compose(compose_train, "strategy", option)
+            cfg["trainer"].update(devices=per_node, num_nodes=nodes)
+            if key is not None:
+                cfg["strategy"][key] = value
+            fits = all(WORLD_KEYS[k][1](cfg["strategy"][k], per_node, nodes) for k in keys)
+            where = (option, key, value, per_node, nodes)
+            if fits:
+                check_config(cfg)
+                continue
+            with pytest.raises(ConfigError) as info:
+                check_config(cfg)
+            message = str(info.value)
+            assert re.match(rf"^strategy\.({'|'.join(keys)}): ", message), (where, message)
+            assert f"trainer.devices={per_node} x trainer.num_nodes={nodes}: {per_node * nodes} processes" in message
+            refused += 1
+    assert refused if keys else not refused  # the sweep reaches worlds each world-dependent key cannot run on
+
+
+@pytest.mark.parametrize("option", ["onebit_adam", "onebit_lamb", "onebit_fsdp", "zero_one_adam"])
+def test_the_onebit_strategies_take_their_optimizers_auto_freeze_keys(compose_train, option):
+    """`strategy.freeze_step=auto` with the rule's keys where the strategy's optimizer takes them (its signature);
+    a bad value is named by its key; a strategy whose optimizer takes none has no such key."""
+    import inspect
+
+    base = _compose(compose_train, "strategy", option)
+    cls = check_config.__globals__["_target_class"]("strategy", base["strategy"])
+    optimizer = cls.optimizer_class
+    takes = [n for n in inspect.signature(optimizer).parameters if n.startswith("auto_freeze_")]
+    if not takes:
+        assert not [k for k in base["strategy"] if k.startswith("auto_freeze_")]
+        cfg = _compose(compose_train, "strategy", option)
+        cfg["strategy"]["auto_freeze_window"] = 5
+        with pytest.raises(ConfigError, match=r"^strategy.auto_freeze_window: unknown key"):
+            check_config(cfg)
+        return
+    assert sorted(k for k in base["strategy"] if k.startswith("auto_freeze_")) == sorted(takes)  # in the yaml
+    good = {"freeze_step": "auto", "auto_freeze_window": 5, "auto_freeze_tolerance": 0.2, "auto_freeze_max": 40}
+    cfg = _compose(compose_train, "strategy", option)
+    cfg["strategy"].update(good)
+    check_config(cfg)
+    for key, bad in (("auto_freeze_window", 0), ("auto_freeze_window", "x"), ("auto_freeze_tolerance", 1.0),
+                     ("auto_freeze_tolerance", float("nan")), ("auto_freeze_max", -1), ("auto_freeze_max", 2.5)):
+        cfg = _compose(compose_train, "strategy", option)
+        cfg["strategy"].update({**good, key: bad})
+        with pytest.raises(ConfigError, match=rf"^strategy.{key}: "):
+            check_config(cfg)
+    cfg = _compose(compose_train, "strategy", option)  # the rule's keys only with freeze_step=auto
+    cfg["strategy"]["auto_freeze_max"] = 40
+    with pytest.raises(ConfigError, match=r"^strategy.auto_freeze_max: .*only with freeze_step='auto'"):
+        check_config(cfg)

@@ -19,7 +19,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
-from lightning_optim.conf_dir import OPTIMIZER_ALIASES, conf_dir
+from lightning_optim.conf_dir import ALIASES, conf_dir
 from lightning_optim.config_check import (SCHEMA, ConfigError, check_config, checked_datamodule, key_rules, resolved,
                                           trainer_error)
 from tests.cli import run_cli
@@ -34,7 +34,7 @@ PARSER = OverridesParser.create()
 
 def options(group: str) -> list[str]:
     names = sorted(p.stem for p in (CONF / group).glob("*.yaml"))
-    return [n for n in names if not (group == "optimizer" and n in OPTIMIZER_ALIASES)]  # same config as the new name
+    return [n for n in names if n not in ALIASES.get(group, {})]  # a deprecated name: the same config as the new one
 
 
 def pairing(group: str, option: str) -> tuple[str, ...]:

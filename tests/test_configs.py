@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from lightning_optim.catalogue import OPTIMIZERS
-from lightning_optim.conf_dir import OPTIMIZER_ALIASES, conf_dir, deprecated_choices
+from lightning_optim.conf_dir import ALIASES, OPTIMIZER_ALIASES, STRATEGY_ALIASES, conf_dir, deprecated_choices
 from lightning_optim.lightning.registry import NAMES as STRATEGY_NAMES
 from lightning_optim.model import ByteGPT, param_groups
 from lightning_optim.train import lightning_arg
@@ -78,23 +78,27 @@ def test_optimizer_option_builds_its_class_and_steps(compose_train, option):
     assert any(not torch.equal(b, p) for b, p in zip(before, model.parameters())), "step changed nothing"
 
 
-@pytest.mark.parametrize("old,new", sorted(OPTIMIZER_ALIASES.items()))
-def test_deprecated_optimizer_name_composes_to_the_catalogue_name(compose_train, old, new):
-    for extra in ([], ["optimizer.lr=0.01"]):  # as is, and with a command-line override
-        assert compose_train(f"optimizer={old}", *extra) == compose_train(f"optimizer={new}", *extra)
-    text = (CONF_DIR / "optimizer" / f"{old}.yaml").read_text()
-    assert text.startswith("# DEPRECATED") and f"optimizer={new}" in text  # said where users look
-    (message,) = deprecated_choices({"optimizer": old, "strategy": "auto"})
-    assert f"optimizer={new}" in message  # and said by the job (lightning_optim.train.main)
-    assert deprecated_choices({"optimizer": new}) == []
+@pytest.mark.parametrize("group,old,new", [(g, old, new) for g, table in ALIASES.items() for old, new in table.items()])
+def test_deprecated_name_composes_to_the_catalogue_name(compose_train, group, old, new):
+    key = {"optimizer": "optimizer.lr=0.01", "strategy": "strategy.timeout=60"}[group]
+    for extra in ([], [key]):  # as is, and with a command-line override
+        assert compose_train(f"{group}={old}", *extra) == compose_train(f"{group}={new}", *extra)
+    text = (CONF_DIR / group / f"{old}.yaml").read_text()
+    assert text.startswith("# DEPRECATED") and f"{group}={new}" in text  # said where users look
+    other = {"optimizer": "strategy", "strategy": "optimizer"}[group]
+    (message,) = deprecated_choices({group: old, other: "sgd" if other == "optimizer" else "auto"})
+    assert f"{group}={old} is a deprecated name; use {group}={new}" in message  # and by the job (train.main)
+    assert deprecated_choices({group: new}) == []
 
 
 def test_strategy_group_has_every_registry_name():
     files = set(options("strategy"))
     missing = sorted(set(STRATEGY_NAMES) - files)
     assert not missing, f"1-bit strategy names without conf/strategy/<name>.yaml: {missing}"
-    unknown = sorted(files - set(STRATEGY_NAMES) - LIGHTNING_STRATEGIES)
-    assert not unknown, f"conf/strategy options that are no registry name or Lightning strategy: {unknown}"
+    unknown = sorted(files - set(STRATEGY_NAMES) - LIGHTNING_STRATEGIES - set(STRATEGY_ALIASES))
+    assert not unknown, f"conf/strategy options that are no registry name, alias or Lightning strategy: {unknown}"
+    assert not set(STRATEGY_ALIASES) & set(STRATEGY_NAMES), "an alias may not shadow a catalogue name"
+    assert set(STRATEGY_ALIASES.values()) <= set(STRATEGY_NAMES), "an alias must point to a catalogue name"
 
 
 @pytest.mark.parametrize("option", options("strategy"))

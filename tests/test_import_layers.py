@@ -1,6 +1,6 @@
 """The house's floors: no import circle between modules (top-level, function-level and TYPE_CHECKING
 imports alike; package ``__init__`` re-exports aside), and no arrow from a lower floor to a higher one
-(catalogue, ops < optim < comm < precision, distributed < onebit < lightning < the job and the adapters).
+(catalogue, extras, ops < optim < comm < precision, distributed < onebit < lightning < the job and the adapters).
 
 Read from the sources with ``ast`` (nothing imported), over lightning_optim/ and accel_plugins/."""
 
@@ -11,8 +11,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("lightning_optim", "accel_plugins")
-# catalogue.py names classes by import path only (a leaf anyone may read)
-FLOORS = {"catalogue": 0, "ops": 0, "optim": 1, "comm": 2, "precision": 3, "distributed": 3, "onebit": 4,
+# catalogue.py names classes by import path only (a leaf anyone may read); renames.py (old names, ignored
+# arguments) and extras.py (which extra installs which framework) import the standard library only
+FLOORS = {"catalogue": 0, "renames": 0, "extras": 0, "ops": 0, "optim": 1, "comm": 2, "precision": 3, "distributed": 3, "onebit": 4,
           "lightning": 5}
 TOP = 6  # the training job, config checks, the root package and accel_plugins
 

@@ -95,7 +95,7 @@ def agree(what: str, names: Sequence[str], values: Mapping[str, int] | Sequence[
             raise error
         return
     row = [0] * len(names)
-    if error is None:
+    if error is None and values is not None:
         row = [int(values[n]) for n in names] if isinstance(values, Mapping) else [int(v) for v in values]
     rows = share_rows(f"all_gather({what} agreement)", [error_code(error, arguments), *row], group=group, like=like)
     if error is not None:

@@ -96,7 +96,7 @@ class _Scratch:
         self.gathered = torch.empty(world, cb + 4 * slots, dtype=torch.uint8, device=device)
 
 
-_CACHE: "OrderedDict[tuple, _Scratch]" = OrderedDict()
+_CACHE: OrderedDict[tuple, _Scratch] = OrderedDict()
 
 
 def _scratch(plan: CompressionPlan, device: torch.device) -> _Scratch:
@@ -156,12 +156,12 @@ def _check_momentum(tensor: Tensor, momentum, plan: CompressionPlan) -> None:
     if tensor.dtype != torch.float32 or not tensor.is_contiguous():
         raise ValueError("compressed_allreduce: momentum needs a contiguous float32 tensor (it is updated in place)")
     if len(grads) != len(plan.lengths):
-        raise ValueError(f"compressed_allreduce: momentum needs one gradient per non-empty segment ({len(plan.lengths)}),"
-                         f" got {len(grads)}")
+        raise ValueError(f"compressed_allreduce: momentum needs one gradient per non-empty segment "
+                         f"({len(plan.lengths)}), got {len(grads)}")
     for i, (g, length) in enumerate(zip(grads, plan.lengths)):
         if not isinstance(g, Tensor) or g.numel() != length or g.device != tensor.device:
             raise ValueError(f"compressed_allreduce: momentum gradient {i} must be a tensor of {length} elements on "
-                             f"{tensor.device}, got {getattr(g, 'numel', lambda: type(g).__name__)()}")
+                             f"{tensor.device}, got {g.numel() if isinstance(g, Tensor) else type(g).__name__}")
     if isinstance(w1, bool) or not isinstance(w1, (int, float)) or not 0.0 <= w1 <= 1.0:
         raise ValueError(f"compressed_allreduce: momentum weight (1 - beta1) must be a float in [0, 1], got {w1!r}")
 

@@ -118,7 +118,7 @@ def gossip_average(tensors: Iterable[Tensor], topology: Topology, group=None, *,
         raise ValueError(f"topology has {topology.world_size} ranks, the group has {world}")
     rank = dist.get_rank(group) if _distributed() else 0
     neighbours = topology.neighbors[rank]
-    sent = {j: 0 for j in neighbours}
+    sent = dict.fromkeys(neighbours, 0)
     if not neighbours or not tensors:
         return sent
     row = topology.mixing_row(rank)

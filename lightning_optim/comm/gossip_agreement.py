@@ -16,6 +16,7 @@ from __future__ import annotations
 import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
+from typing import TypeGuard
 
 import torch.distributed as dist
 
@@ -52,7 +53,7 @@ def _decode(words: Sequence[int]) -> str:
     return b"".join(int(w).to_bytes(7, "little") for w in words).rstrip(b"\0").decode(errors="replace")
 
 
-def _is_int(value: object) -> bool:
+def _is_int(value: object) -> TypeGuard[int]:  # numpy ints too: they compare and convert as ints
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
@@ -203,8 +204,8 @@ def agree_topology(neighbors: object = None, group=None, *, rank: object = None,
     row = [code, detail, weights_code, topology.fingerprint() if topology else 0, *_encode(text),
            *(int(v) for v in agree.values()), *bits]
     rows = share_rows("gossip topology agreement", row, group=group)  # bounded; the control device under NCCL
-    if code == _REFUSED:
-        raise refused[1]  # type: ignore[index]
+    if code == _REFUSED and refused is not None:  # only the caller's refusal sets that code
+        raise refused[1]
     verdict = _verdict(rows, world, list(agree))
     if verdict is not None:
         kind, message = verdict

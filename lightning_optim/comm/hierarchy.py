@@ -20,8 +20,11 @@ node is fp32 on the fast link. ``K == 1`` (one node): step 2 has nothing to do, 
 ``L == 1``: steps 1 and 3 have nothing to do, the flat 1-bit allreduce.
 
 Bytes (``CommStats``): the intra-node collectives are counted in ``bytes_sent`` and also in
-``intra_node_bytes`` (reduce-scatter and all-gather: ``(L - 1) S * 4`` each per rank), so the slow link's
-share is ``bytes_sent - intra_node_bytes``.
+``intra_node_bytes``, as the node group's backend sends them: the all-gather ``(L - 1) S * 4`` per rank, the
+reduce-scatter ``(L - 1) S * 4`` on NCCL but ``2 (L - 1) S * 4`` on gloo, which has no reduce-scatter of its
+own and all-reduces the whole padded vector (``stats.reduce_scatter_bytes``). The slow link's share is
+``bytes_sent - intra_node_bytes``. One node on gloo (``K == 1``) therefore sends 1.5x the bytes of a flat fp32
+all-reduce (DDP's), and as many on NCCL: rank 0 says so when the groups are made.
 """
 from __future__ import annotations
 
@@ -36,10 +39,11 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .dense import allreduce_mean, world_size
-from .stats import CommStats, comm_stats
+from .stats import CommStats, comm_stats, reduce_scatter_bytes, ring_allreduce_bytes
 from .timeouts import collective, gather_rows
 
-__all__ = ["NodeGroups", "check_hierarchical", "node_groups", "hierarchical_average_", "shard_segments"]
+__all__ = ["NodeGroups", "backend_name", "check_hierarchical", "node_groups", "hierarchical_average_", "one_node_ratio",
+           "shard_segments"]
 
 LOCAL_WORLD_SIZE = "LOCAL_WORLD_SIZE"  # torchrun's ranks on this node
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -88,12 +92,30 @@ class NodeGroups:
         return size, self.local_rank * size
 
 
-def node_groups(hierarchical: bool | int, group=None) -> NodeGroups:
+def backend_name(group, device: torch.device | None = None) -> str:
+    """The backend that runs ``group``'s collectives on ``device`` (``"gloo"``, ``"nccl"``, ...): a group made
+    for several device types (``"cpu:gloo,cuda:nccl"``) uses the one of the tensors' device (CPU without one)."""
+    name = str(dist.get_backend(group)).lower()
+    if ":" in name:
+        table = dict(part.split(":", 1) for part in name.split(",") if ":" in part)
+        name = table.get(device.type if device is not None else "cpu", next(iter(table.values())))
+    return name
+
+
+def one_node_ratio(per_node: int, backend: str) -> float:
+    """Bytes of a one-node hierarchical average (reduce-scatter + all-gather) over those of a flat fp32 ring
+    all-reduce of the same vector, per rank, on ``backend``: 1.5 on gloo, 1.0 where the reduce-scatter is a ring."""
+    flat = ring_allreduce_bytes(per_node, per_node)
+    return (reduce_scatter_bytes(per_node, per_node, 4, backend) + (per_node - 1) * 4) / flat if flat else 1.0
+
+
+def node_groups(hierarchical: bool | int, group=None, device: torch.device | None = None) -> NodeGroups:
     """Make the intra- and inter-node groups of ``group`` (default: the world) for ``hierarchical``.
 
     Every rank of ``group`` must call it (it creates groups, in the same order everywhere). Refused on every
     rank, with the same message, when the ranks ask for different node sizes (uneven nodes) or the node size
-    does not divide the world."""
+    does not divide the world. ``device``: where the averaged tensors live (names the backend in the one-node
+    warning)."""
     world = world_size(group)
     per_node = ranks_per_node(hierarchical) if world > 1 else 1
     rows = gather_rows("all_gather(node size)", (per_node,), group=group) if world > 1 else [(per_node,)]
@@ -108,9 +130,14 @@ def node_groups(hierarchical: bool | int, group=None) -> NodeGroups:
     rank = dist.get_rank(group) if world > 1 else 0
     nodes = world // per_node
     if nodes == 1 and world > 1 and rank == 0:
+        backend = backend_name(group, device)
+        ratio = one_node_ratio(per_node, backend)
+        cost = (f"it sends {ratio:g}x the bytes of DDP's flat fp32 all-reduce ({backend}'s reduce-scatter sends a "
+                "whole all-reduce's bytes, and the all-gather follows it)" if ratio > 1 else
+                f"it sends as many bytes as DDP's flat fp32 all-reduce on {backend}")
         warnings.warn(f"hierarchical: the {world} ranks are one node of {per_node}; every exchange is the exact fp32 "
-                      "mean inside it and nothing is compressed (hierarchical=False for the flat 1-bit exchange)",
-                      UserWarning, stacklevel=3)
+                      f"mean inside it and nothing is compressed, and {cost} (hierarchical=False for the flat "
+                      "1-bit exchange)", UserWarning, stacklevel=3)
     intra = inter = None
     if world > 1:
         # every rank creates every group, in one order (torch's rule for new_group)
@@ -151,7 +178,8 @@ class _Scratch:
         self.shard: Tensor | None = None
 
     def get(self, size: int, per_node: int, like: Tensor) -> tuple[Tensor, Tensor]:
-        if self.padded is None or self.padded.numel() != size * per_node or self.padded.device != like.device:
+        if (self.padded is None or self.shard is None or self.padded.numel() != size * per_node
+                or self.padded.device != like.device):
             self.padded = torch.zeros(size * per_node, dtype=torch.float32, device=like.device)
             self.shard = torch.empty(size, dtype=torch.float32, device=like.device)
         return self.padded, self.shard
@@ -175,7 +203,8 @@ def hierarchical_average_(flat: Tensor, groups: NodeGroups, *, scratch: _Scratch
         padded[n:].zero_()  # the last shard's tail: zeros, never part of a result
         collective("reduce_scatter(node)", _reduce_scatter_single, shard, padded, group=groups.intra)
         shard.div_(per_node)
-        intra += (per_node - 1) * size * 4
+        # counted as this backend sends it (gloo: an all-reduce of all of padded)
+        intra += reduce_scatter_bytes(padded.numel(), per_node, 4, backend_name(groups.intra, flat.device))
     else:
         shard.copy_(flat)
     inter = CommStats()

@@ -48,7 +48,7 @@ class SwitchableAllreduceState:
 
 
 def _done(tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
-    fut = torch.futures.Future()
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     fut.set_result(tensor)
     return fut
 
@@ -100,7 +100,8 @@ def _bounded(reduced: torch.futures.Future, world: int, bound: float) -> torch.f
             reduced_tensor = fut.value()[0]
             finish(reduced_tensor if world == 1 else reduced_tensor.div_(world))  # 1: already averaged (release hook)
         except Exception as exc:  # noqa: BLE001 - surfaced through the future
-            finish(error=CommunicationError(f"DDP bucket all_reduce failed: another rank may have died or hung ({exc})"))
+            finish(error=CommunicationError(
+                f"DDP bucket all_reduce failed: another rank may have died or hung ({exc})"))
 
     timer = threading.Timer(bound, lambda: finish(error=CommunicationError(
         f"DDP bucket all_reduce did not complete within the bound of {bound:.0f}s "

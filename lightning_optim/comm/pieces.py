@@ -40,7 +40,7 @@ class Pieces:
         self._on: dict[torch.device, Pieces] = {}
         self._expanded: tuple[Tensor, Tensor, Tensor, Tensor] | None = None
 
-    def on(self, device: torch.device) -> "Pieces":
+    def on(self, device: torch.device) -> Pieces:
         """This table with its tensors on ``device`` (cached)."""
         if device == self.table.device:
             return self
@@ -114,6 +114,8 @@ def compress(x: Tensor, err: Tensor | None, packed: Tensor, scales: Tensor, pc: 
     pos_idx, off_idx, piece, touched = pc.expanded()
     z = x[off_idx].float()
     if add_err:
+        if err is None:
+            raise ValueError("compress: add_err=True needs the error buffer err")
         z += err[pos_idx]
     positive = z >= 0
     bits = torch.ones(pc.total, dtype=torch.bool, device=x.device)  # +1 bits pad a piece's last byte
@@ -141,10 +143,9 @@ def server_mean(rows: Tensor, scales: Tensor, err: Tensor, pc: Pieces) -> Tensor
     if kernel is not None:
         return kernel(rows, scales, err, pc.table, pc.total)
     pos_idx, _, piece, _ = pc.expanded()
-    total = None
-    for w in range(rows.shape[0]):
-        value = _signs(rows[w], pc)[pos_idx] * scales[w][piece]
-        total = value if total is None else total + value
+    total = _signs(rows[0], pc)[pos_idx] * scales[0][piece]
+    for w in range(1, rows.shape[0]):
+        total = total + _signs(rows[w], pc)[pos_idx] * scales[w][piece]
     z = total / rows.shape[0] + err[pos_idx]
     err[pos_idx] = z
     zd = z.double()

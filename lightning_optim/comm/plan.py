@@ -99,7 +99,7 @@ class CompressionPlan:
         return found
 
 
-_PLANS: "OrderedDict[tuple, CompressionPlan]" = OrderedDict()
+_PLANS: OrderedDict[tuple, CompressionPlan] = OrderedDict()
 
 
 def plan_for(numel: int, world: int, segments: Sequence[int] | None = None) -> CompressionPlan:

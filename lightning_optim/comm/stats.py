@@ -7,6 +7,11 @@ Counting rule (per rank, payload bytes only; TCP/IP and backend framing are not 
 * full-precision ``all_reduce`` (``allreduce_mean``): the nominal ring cost,
   ``2 * (W - 1) / W * numel * element_size`` of the dtype actually sent (fp32 for bf16/fp16
   inputs, which are upcast because gloo cannot reduce bf16);
+* reduce-scatter of an ``n``-element input (``n / W`` out), as the backend runs it: NCCL (and any backend
+  with a reduce-scatter of its own) sends the ring's ``(W - 1) / W * n * element_size``; gloo has none: torch's
+  gloo backend all-reduces the whole input and keeps this rank's chunk, so it sends a full all-reduce's
+  ``2 * (W - 1) / W * n * element_size`` (measured with the kernel's socket counters: 1M fp32 on 2 ranks,
+  4.19 MB on the wire, twice the ring's 2.10 MB); ``reduce_scatter_bytes(n, W, size, backend)`` is the rule;
 * ``W == 1``: nothing is sent, nothing is counted.
 
 ``fp32_equivalent_bytes`` adds, for every reduced tensor, what a ring fp32 allreduce of it would
@@ -19,13 +24,18 @@ may have run beside it unseen, so from the first such step ``compression_ratio``
 rather than a saving the wire never saw.
 
 ``intra_node_bytes``: the part of ``bytes_sent`` that stayed inside a node (the hierarchical exchanges of
-``hierarchy.py``: fp32 reduce-scatter and all-gather among a node's ranks); ``inter_node_bytes`` is the rest.
+``hierarchy.py``: fp32 reduce-scatter and all-gather among a node's ranks, the reduce-scatter counted by the
+rule of the node group's backend); ``inter_node_bytes`` is the rest.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-__all__ = ["CommStats", "comm_stats", "reset_comm_stats", "ring_allreduce_bytes"]
+__all__ = ["ALLREDUCE_REDUCE_SCATTER", "CommStats", "comm_stats", "reduce_scatter_bytes", "reset_comm_stats",
+           "ring_allreduce_bytes"]
+
+# backends whose reduce-scatter is an all-reduce of the whole input (this rank keeps its chunk)
+ALLREDUCE_REDUCE_SCATTER = frozenset({"gloo"})
 
 
 def ring_allreduce_bytes(numel: int, world_size: int, element_size: int = 4) -> int:
@@ -35,9 +45,21 @@ def ring_allreduce_bytes(numel: int, world_size: int, element_size: int = 4) -> 
     return (2 * (world_size - 1) * int(numel) * int(element_size)) // int(world_size)
 
 
+def reduce_scatter_bytes(numel: int, world_size: int, element_size: int = 4, backend: str = "nccl") -> int:
+    """Bytes one rank sends in a reduce-scatter of a ``numel``-element input over ``world_size`` ranks on
+    ``backend``: the ring's ``(W-1)/W * numel * size``, or on a backend of ``ALLREDUCE_REDUCE_SCATTER`` (gloo)
+    a ring all-reduce's ``2 (W-1)/W * numel * size``."""
+    if world_size <= 1:
+        return 0
+    if backend.lower() in ALLREDUCE_REDUCE_SCATTER:
+        return ring_allreduce_bytes(numel, world_size, element_size)
+    return ((world_size - 1) * int(numel) * int(element_size)) // int(world_size)
+
+
 @dataclass
 class CommStats:
-    """Running totals for this process. See the module docstring for the counting rule."""
+    """Running totals for this process. See the module docstring for the counting rule (per collective, and
+    per backend where the backends send different bytes for the same call: gloo's reduce-scatter)."""
 
     bytes_sent: int = 0
     fp32_equivalent_bytes: int = 0
@@ -64,7 +86,7 @@ class CommStats:
         self.fp32_equivalent_bytes += ring_allreduce_bytes(numel, world_size)
         self.full_precision_calls += 1
 
-    def add_hierarchical(self, intra_bytes: int, inter: "CommStats", numel: int, world_size: int) -> None:
+    def add_hierarchical(self, intra_bytes: int, inter: CommStats, numel: int, world_size: int) -> None:
         """One hierarchical average of ``numel`` elements over ``world_size`` ranks: ``intra_bytes`` inside the
         node plus what the inter-node exchange (counted in ``inter``) sent; its fp32 equivalent is the flat
         ring allreduce's over the whole world."""
@@ -91,10 +113,10 @@ class CommStats:
             return float("nan")
         return self.fp32_equivalent_bytes / self.bytes_sent if self.bytes_sent else 1.0
 
-    def copy(self) -> "CommStats":
+    def copy(self) -> CommStats:
         return CommStats(**{f.name: getattr(self, f.name) for f in fields(self)})
 
-    def __sub__(self, other: "CommStats") -> "CommStats":
+    def __sub__(self, other: CommStats) -> CommStats:
         """Delta between two snapshots: ``now - before`` (e.g. per training step)."""
         return CommStats(**{f.name: getattr(self, f.name) - getattr(other, f.name) for f in fields(self)})
 

@@ -49,6 +49,8 @@ _timeout_s: float | None = None  # set_collective_timeout; None: environment or 
 class CommunicationError(RuntimeError):
     """A collective failed or exceeded ``collective_timeout()`` (a peer died, hung, or the network broke)."""
 
+    failed_ranks: list[int] | None  # set by a roll call after the failure: the ranks that did not answer
+
 
 def check_seconds(value: object, name: str) -> float:
     """A number of seconds (int, float, numpy scalar or timedelta), finite and > 0."""

@@ -38,6 +38,7 @@ import math
 import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypeGuard
 
 import torch
 
@@ -47,14 +48,14 @@ WEIGHTS = ("uniform", "metropolis")
 NAMES = ("ring", "torus", "exponential")  # "torus:ROWSxCOLS" picks the shape
 
 
-def _is_int(value: object) -> bool:
+def _is_int(value: object) -> TypeGuard[int]:  # numpy ints too: they compare and convert as ints
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def check_weights(weights: object) -> str:
     if weights not in WEIGHTS:
         raise ValueError(f"weights must be one of {WEIGHTS}, got {weights!r}")
-    return weights  # type: ignore[return-value]
+    return weights
 
 
 def near_square(world_size: int) -> tuple[int, int]:
@@ -63,7 +64,7 @@ def near_square(world_size: int) -> tuple[int, int]:
     return rows, world_size // rows
 
 
-def parse_name(name: str, world_size: int, weights: str = "uniform") -> "Topology":
+def parse_name(name: str, world_size: int, weights: str = "uniform") -> Topology:
     """A topology from its name: ``"ring"``, ``"exponential"``, ``"torus"`` (near-square shape) or
     ``"torus:ROWSxCOLS"``. Raises ValueError naming the valid names or the bad shape."""
     key = name.strip().lower()
@@ -169,7 +170,7 @@ class Topology:
 
     # ---------------------------------------------------------------- constructors
     @classmethod
-    def from_neighbors(cls, neighbors: Sequence[Sequence[int]], weights: str = "uniform") -> "Topology":
+    def from_neighbors(cls, neighbors: Sequence[Sequence[int]], weights: str = "uniform") -> Topology:
         """Every rank's neighbour list (``neighbors[i]`` for rank ``i``)."""
         if isinstance(neighbors, (str, bytes)) or not isinstance(neighbors, Sequence):
             raise TypeError(f"neighbors must be a sequence of per-rank sequences, got {type(neighbors).__name__}")
@@ -179,13 +180,13 @@ class Topology:
         return cls(tuple(tuple(row) for row in neighbors), weights)
 
     @classmethod
-    def ring(cls, world_size: int, weights: str = "uniform") -> "Topology":
+    def ring(cls, world_size: int, weights: str = "uniform") -> Topology:
         """``i`` is joined to ``i - 1`` and ``i + 1`` (mod ``W``)."""
         w = _world(world_size)
         return cls(tuple(_others(i, ((i - 1) % w, (i + 1) % w)) for i in range(w)), weights, "ring")
 
     @classmethod
-    def torus(cls, rows: int, cols: int, weights: str = "uniform") -> "Topology":
+    def torus(cls, rows: int, cols: int, weights: str = "uniform") -> Topology:
         """A ``rows x cols`` 2-D torus, rank ``r * cols + c`` at row ``r``, column ``c``."""
         rows, cols = _world(rows, "rows"), _world(cols, "cols")
 
@@ -199,7 +200,7 @@ class Topology:
         return cls(tuple(lists), weights, f"torus:{rows}x{cols}")
 
     @classmethod
-    def exponential(cls, world_size: int, weights: str = "uniform") -> "Topology":
+    def exponential(cls, world_size: int, weights: str = "uniform") -> Topology:
         """``i`` is joined to ``i +- 2^k`` (mod ``W``) for every ``2^k <= W - 1``."""
         w = _world(world_size)
         hops = [1 << k for k in range(max(w - 1, 1).bit_length()) if (1 << k) <= w - 1]
@@ -223,7 +224,7 @@ class Topology:
         d_i = self.degree(rank)
         if self.weights == "uniform":
             share = 1.0 / (d_i + 1)
-            row = {j: share for j in self.neighbors[rank]}
+            row = dict.fromkeys(self.neighbors[rank], share)
             row[rank] = share
             return row
         row = {j: 1.0 / (1 + max(d_i, self.degree(j))) for j in self.neighbors[rank]}

@@ -7,6 +7,8 @@ use of the name, so ``from lightning_optim.data import RandomWindows`` does not 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from lightning_optim.data.corpus import (
     SKIPPED_DIRS,
     EpochSeededSampler,
@@ -19,10 +21,13 @@ from lightning_optim.data.corpus import (
 )
 from lightning_optim.lazy_names import lazy_names
 
+if TYPE_CHECKING:  # what type checkers see; at run time the name loads its module (and Lightning) on first use
+    from lightning_optim.data.datamodule import ByteDataModule
+
 _LIGHTNING_NAMES = {"ByteDataModule": "lightning_optim.data.datamodule"}
 
 __all__ = ["SKIPPED_DIRS", "EpochSeededSampler", "RandomWindows", "list_files", "load_corpus", "read_capped",
-           "split_corpus", "stdlib_dir", *_LIGHTNING_NAMES]
+           "split_corpus", "stdlib_dir", "ByteDataModule"]
 
 
 __getattr__, __dir__ = lazy_names(__name__, _LIGHTNING_NAMES)

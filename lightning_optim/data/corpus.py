@@ -13,8 +13,8 @@ import fnmatch
 import os
 import sysconfig
 import zlib
+from collections.abc import Sized
 from pathlib import Path
-from typing import Optional, Union
 
 import torch
 from torch.utils.data import Dataset, RandomSampler
@@ -33,7 +33,7 @@ def list_files(root: Path, glob: str) -> list[Path]:
     Hidden folders and third-party folders (site-packages, ...) are skipped: pruning them while
     walking keeps this fast even when the standard library has a large site-packages inside.
     """
-    files = []
+    files: list[Path] = []
     for folder, subdirs, names in os.walk(root):
         subdirs[:] = [d for d in subdirs if not d.startswith(".") and d not in SKIPPED_DIRS]
         files.extend(Path(folder, n) for n in names if fnmatch.fnmatch(n, glob) and not n.startswith("."))
@@ -43,7 +43,7 @@ def list_files(root: Path, glob: str) -> list[Path]:
     return sorted(files, key=lambda p: (zlib.crc32(p.relative_to(root).as_posix().encode()), p))
 
 
-def read_capped(files: list[Path], max_bytes: Optional[int]) -> list[bytes]:
+def read_capped(files: list[Path], max_bytes: int | None) -> list[bytes]:
     """Read files in order until ``max_bytes`` in total (the last one truncated); ``None`` = no cap."""
     texts, total = [], 0
     for path in files:
@@ -69,7 +69,7 @@ def split_corpus(texts: list[bytes], val_fraction: float) -> tuple[bytes, bytes]
 
 
 def load_corpus(
-    path: Optional[Union[str, Path]], glob: str, max_bytes: Optional[int], val_fraction: float
+    path: str | Path | None, glob: str, max_bytes: int | None, val_fraction: float
 ) -> tuple[bytes, bytes]:
     """Load and split the corpus; errors name the ``data.*`` setting at fault."""
     if not 0.0 < val_fraction < 1.0:
@@ -120,7 +120,7 @@ class EpochSeededSampler(RandomSampler):
     state a checkpoint does not hold). Lightning calls ``set_epoch``; under DDP it replaces this
     sampler (a RandomSampler) by a shuffling DistributedSampler, which is epoch-seeded too."""
 
-    def __init__(self, data_source: Dataset, seed: int) -> None:
+    def __init__(self, data_source: Sized, seed: int) -> None:
         super().__init__(data_source)
         self.seed, self.epoch = seed, 0
 

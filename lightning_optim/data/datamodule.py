@@ -3,11 +3,9 @@ package that imports Lightning; ``lightning_optim.data`` loads it on first use o
 
 from __future__ import annotations
 
-from typing import Optional
-
 import lightning as L
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 from lightning_optim.data.corpus import EpochSeededSampler, RandomWindows, load_corpus
 
@@ -31,9 +29,9 @@ class ByteDataModule(L.LightningDataModule):
 
     def __init__(
         self,
-        path: Optional[str] = None,
+        path: str | None = None,
         glob: str = "*.py",
-        max_bytes: Optional[int] = 2_000_000,
+        max_bytes: int | None = 2_000_000,
         val_fraction: float = 0.1,
         seq_len: int = 128,
         batch_size: int = 16,
@@ -48,10 +46,10 @@ class ByteDataModule(L.LightningDataModule):
         self.path, self.glob, self.max_bytes = path, glob, max_bytes
         self.val_fraction, self.seq_len, self.batch_size = val_fraction, seq_len, batch_size
         self.val_windows, self.seed, self.num_workers = val_windows, seed, num_workers
-        self.train_set: Optional[RandomWindows] = None
-        self.val_set: Optional[RandomWindows] = None
+        self.train_set: RandomWindows | None = None
+        self.val_set: RandomWindows | None = None
 
-    def setup(self, stage: Optional[str] = None) -> None:
+    def setup(self, stage: str | None = None) -> None:
         if self.train_set is not None:
             return
         train, val = load_corpus(self.path, self.glob, self.max_bytes, self.val_fraction)
@@ -79,7 +77,7 @@ class ByteDataModule(L.LightningDataModule):
     def val_dataloader(self) -> DataLoader:
         return self._loader(self.val_set, shuffle=False, drop_last=False)
 
-    def _loader(self, dataset: Optional[Dataset], shuffle: bool, drop_last: bool) -> DataLoader:
+    def _loader(self, dataset: RandomWindows | None, shuffle: bool, drop_last: bool) -> DataLoader:
         if dataset is None:
             raise RuntimeError("call setup() before asking for a dataloader")
         return DataLoader(

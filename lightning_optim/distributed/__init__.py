@@ -14,7 +14,19 @@ Importing this package imports none of them; each name loads its module on first
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # what type checkers see; at run time each name loads its module on first access
+    from lightning_optim.distributed.centralized import (
+        CentralizedAdam,
+        CentralizedSGD,
+        CustomCentralizedOptimizer,
+        GenericCentralizedOptimizer,
+    )
+    from lightning_optim.distributed.decentralized import DecentralizedSGD
+    from lightning_optim.distributed.diloco import DiLoCo
+    from lightning_optim.distributed.powersgd import PowerSGD
+    from lightning_optim.distributed.sparsified import CentralizedSparsifiedSGD
 
 _WHERE = {
     "GenericCentralizedOptimizer": "centralized",
@@ -27,7 +39,8 @@ _WHERE = {
     "DiLoCo": "diloco",
 }
 
-__all__ = sorted(_WHERE)
+__all__ = ["CentralizedAdam", "CentralizedSGD", "CentralizedSparsifiedSGD", "CustomCentralizedOptimizer",
+           "DecentralizedSGD", "DiLoCo", "GenericCentralizedOptimizer", "PowerSGD"]
 
 
 def __getattr__(name: str) -> Any:

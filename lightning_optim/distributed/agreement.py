@@ -17,15 +17,20 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.optim.optimizer import required
+from torch.optim.optimizer import required as _torch_required
 
 from lightning_optim.comm.agreement import agree
 from lightning_optim.comm.dense import world_size as group_world_size
 from lightning_optim.distributed.compressed_checks import check_distinct_params
 from lightning_optim.optim.validation import check_int
+from lightning_optim.renames import warn_ignored
+
+# torch's "no default" sentinel of a required lr (mlbench's signatures), typed Any: it stands as a float's default
+required: Any = _torch_required
 
 __all__ = ["ARGUMENTS", "AVERAGES", "SETUP_FIELDS", "bits_float", "check_denom", "check_module", "check_required_lr",
-           "check_step_inputs", "check_then_agree", "check_world_size", "float_bits", "model_params", "show_setup"]
+           "check_step_inputs", "check_then_agree", "check_world_size", "float_bits", "model_params", "show_setup",
+           "warn_use_cuda"]
 
 # Every argument a centralized optimizer takes: an error's code is 1 + its index here.
 ARGUMENTS = ("world_size", "model", "optimizer", "use_cuda", "by_layer", "divide_before", "agg_grad", "grad_clip",
@@ -47,6 +52,15 @@ def bits_float(bits: int) -> float:
     return struct.unpack("<d", struct.pack("<q", int(bits)))[0]
 
 
+def warn_use_cuda(owner: str, use_cuda: object, params: Sequence[Tensor]) -> None:
+    """mlbench's ``use_cuda=True`` moves its buffers to CUDA; here they stay on the params' device: say so
+    where that is not CUDA (on CUDA params the flag's effect is what happens anyway)."""
+    devices = sorted({str(p.device) for p in params if p.device.type != "cuda"})
+    if use_cuda and devices:
+        warn_ignored(owner, "use_cuda", use_cuda, f"the buffers stay on the params' device ({', '.join(devices)}); "
+                     "move the model to CUDA to communicate from there")
+
+
 def check_world_size(world_size: object) -> int:
     """``world_size`` (None: the default group's size) must equal the group's size."""
     actual = group_world_size()
@@ -54,7 +68,7 @@ def check_world_size(world_size: object) -> int:
         return actual
     value = check_int("world_size", world_size, 1)
     if value != actual:
-        where = ("torch.distributed's default process group has " f"{actual} rank(s)" if dist.is_initialized()
+        where = (f"torch.distributed's default process group has {actual} rank(s)" if dist.is_initialized()
                  else "no torch.distributed process group is initialized (one process)")
         raise ValueError(f"world_size must be the number of ranks ({actual}) or None, got {value}: {where}")
     return value

@@ -27,7 +27,8 @@ Deviations from mlbench (each because mlbench's behaviour is a bug or a trap):
 * A closure runs *before* the aggregation (mlbench hands it to the local step, after the
   aggregation, so the gradients it computes are never aggregated). ``step`` returns its loss
   (mlbench's ``CustomCentralizedOptimizer.step`` returns ``True``).
-* ``use_cuda`` is checked and ignored: the tensors stay on the params' device.
+* ``use_cuda`` is checked and not acted on: the tensors stay on the params' device (``use_cuda=True`` with
+  params off CUDA warns).
 * Params without a gradient: see ``aggregation`` (mlbench crashes on them).
 * The weights are averaged in place (mlbench swaps ``param.data`` for views of its packed buffer).
 * ``CustomCentralizedOptimizer``: neither ``average_world`` nor ``average_custom`` sums the
@@ -46,7 +47,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.optim.optimizer import required
 
 from lightning_optim.comm.agreement import layout_signature
 from lightning_optim.distributed.aggregation import AllReduceAggregation
@@ -62,10 +62,13 @@ from lightning_optim.distributed.agreement import (
     check_world_size,
     float_bits,
     model_params,
+    required,
     show_setup,
+    warn_use_cuda,
 )
 from lightning_optim.distributed.loading import check_local_state_dict
 from lightning_optim.optim.adam import Adam
+from lightning_optim.optim.hooks import load_with_hooks, state_dict_with_hooks
 from lightning_optim.optim.sgd import SGD
 from lightning_optim.optim.validation import check_flag, check_positive
 
@@ -78,7 +81,7 @@ class GenericCentralizedOptimizer(torch.optim.Optimizer):
     Args:
         world_size: ranks in the default group (None: its size; another number is refused).
         model: the ``nn.Module`` whose params the local optimizer holds.
-        use_cuda: accepted for mlbench compatibility and ignored (the params' device is used).
+        use_cuda: accepted for mlbench compatibility; the params' device is used (True off CUDA warns).
         by_layer: one collective per param instead of one flat buffer.
         divide_before: divide by the world size before the sum (smaller partial sums).
         agg_grad: aggregate the gradients (True) or the weights after the local step (False).
@@ -98,8 +101,8 @@ class GenericCentralizedOptimizer(torch.optim.Optimizer):
                     agg_grad=agg_grad)
 
     def _setup(self, world_size: object, model: object, build: Callable[[], torch.optim.Optimizer], *,
-               use_cuda: object, by_layer: object, divide_before: object, agg_grad: object,
-               grad_clip: object = math.inf, average: str = "world",
+               use_cuda: bool, by_layer: bool, divide_before: bool, agg_grad: bool,
+               grad_clip: float = math.inf, average: str = "world",
                checks: Callable[[], None] | None = None) -> None:
         """Check everything on this rank, agree across ranks, and only then take the settings."""
         who = type(self).__name__
@@ -122,6 +125,7 @@ class GenericCentralizedOptimizer(torch.optim.Optimizer):
             return (world, optimizer, params), row
 
         world, optimizer, params = check_then_agree(who, local, SETUP_FIELDS, show=show_setup)
+        warn_use_cuda(who, use_cuda, params)
         # from here on every argument passed on every rank: take them
         for hooks in ("step_pre", "step_post", "state_dict_pre", "state_dict_post", "load_state_dict_pre",
                       "load_state_dict_post"):
@@ -140,6 +144,7 @@ class GenericCentralizedOptimizer(torch.optim.Optimizer):
             self._aggregation.weights(float(world))  # mlbench: every rank starts from the averaged model
 
     # ------------------------------------------------------------------ torch.optim.Optimizer face
+    # read-only views of the local optimizer's, where torch.optim.Optimizer declares plain attributes
     @property
     def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
         """The local optimizer's groups (live: LR schedulers set ``lr`` here, also after a reload)."""
@@ -158,13 +163,17 @@ class GenericCentralizedOptimizer(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         """The local optimizer's state dict. With ``agg_grad=False`` its state (e.g. momentum) is
-        this rank's own: save one per rank. With ``agg_grad=True`` it is the same on every rank."""
-        return self.optimizer.state_dict()
+        this rank's own: save one per rank. With ``agg_grad=True`` it is the same on every rank.
+        State-dict hooks registered on this optimizer run around it (the local one's run inside)."""
+        return state_dict_with_hooks(self, self.optimizer.state_dict)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """The local optimizer's ``load_state_dict``, after the checks torch's own skips (a foreign local
         optimizer: state dtypes and shapes, group hyper-parameters; see ``loading.py``): nothing changes
-        when it refuses."""
+        when it refuses. Load hooks registered on this optimizer run around it, as torch runs them."""
+        load_with_hooks(self, state_dict, self._load_checked)
+
+    def _load_checked(self, state_dict: dict[str, Any]) -> None:
         check_local_state_dict(self.optimizer, state_dict)
         self.optimizer.load_state_dict(state_dict)
 

@@ -9,7 +9,7 @@ difference on one rank stops every rank with a clear error.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -31,11 +31,12 @@ def check_world_size(world_size: object, group: Any) -> int:
     if world_size != actual:
         initialized = dist.is_available() and dist.is_initialized()
         where = f"the process group has {actual} ranks" if initialized else "torch.distributed is not initialized"
-        raise ValueError(f"world_size={world_size} must equal the number of ranks of the process group, {actual}: {where}")
+        raise ValueError(
+            f"world_size={world_size} must equal the number of ranks of the process group, {actual}: {where}")
     return int(world_size)
 
 
-def check_float_params(params: Sequence[Tensor]) -> None:
+def check_float_params(params: Iterable[Tensor]) -> None:
     """Only real floating-point params can be optimized (an int or complex one would break every step)."""
     for i, p in enumerate(params):
         if not isinstance(p, Tensor):

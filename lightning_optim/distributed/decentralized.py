@@ -32,7 +32,8 @@ mlbench semantics kept, and where this differs (and why):
 * mlbench replaces ``param.data`` with new tensors; here the params are updated in place (views,
   optimizer state keys and DDP buckets stay valid). Buffers (e.g. BatchNorm statistics) are not
   averaged, as in mlbench.
-* ``use_cuda`` is accepted and ignored: the tensors are sent from the params' own device.
+* ``use_cuda`` is accepted and not acted on: the tensors are sent from the params' own device
+  (``use_cuda=True`` with params off CUDA warns).
 * ``by_layer``: one exchange per parameter (True) or one flat buffer per dtype (False, default).
 * Gradient release and optimizer accumulation are refused: the gossip belongs to a whole step.
 
@@ -49,18 +50,19 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.optim.optimizer import required
 
 from lightning_optim.comm.agreement import fingerprint, layout_signature, share_rows
 from lightning_optim.comm.gossip import Topology, agree_topology, gossip_average
+from lightning_optim.distributed.agreement import required
 from lightning_optim.optim.sgd import SGD
 from lightning_optim.optim.validation import check_flag, check_non_negative, check_unit_interval, plain_numbers
 
+from .agreement import warn_use_cuda
 from .compressed_checks import check_distinct_params
 
 __all__ = ["DecentralizedSGD"]
@@ -69,7 +71,7 @@ __all__ = ["DecentralizedSGD"]
 def _check_model(model: object) -> list[torch.Tensor]:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module whose parameters are optimized, got {type(model).__name__}")
-    params = list(model.parameters())
+    params: list[torch.Tensor] = list(model.parameters())
     if not params:
         raise ValueError("model has no parameters: there is nothing to optimize or average")
     return params
@@ -124,7 +126,7 @@ class DecentralizedSGD(SGD):
         lr: learning rate, >= 0 (required).
         momentum, dampening, weight_decay, nesterov: as ``torch.optim.SGD``.
         average_world: must be True (average with the neighbours, mlbench's ``avg_world``).
-        use_cuda: accepted and ignored (the device is the params').
+        use_cuda: accepted; the device is the params' (True off CUDA warns).
         by_layer: one exchange per parameter instead of one flat buffer.
 
     Construction is collective: every rank of the default group builds its optimizer together.
@@ -138,17 +140,18 @@ class DecentralizedSGD(SGD):
                                    use_cuda, by_layer)
         if refused is not None and not (dist.is_available() and dist.is_initialized()):
             raise refused[1]
-        params = [] if refused is not None else list(model.parameters())  # type: ignore[union-attr]
+        params = [] if refused is not None or model is None else list(model.parameters())
         agree = {"by_layer": int(bool(by_layer)) if refused is None else 0,
                  "the model's parameter layout (count, shapes, dtypes)": fingerprint(layout_signature(params))}
         self.topology: Topology = agree_topology(neighbors, rank=rank, agree=agree, refused=refused)
         super().__init__(params, lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                          nesterov=nesterov)
-        self.model = model
+        self.model = cast(nn.Module, model)  # checked: agree_topology raised on every rank otherwise
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.neighbors = list(self.topology.neighbors[self.rank])
         self.average_world = average_world
         self.use_cuda = use_cuda
+        warn_use_cuda(type(self).__name__, use_cuda, params)
         self.by_layer = by_layer
         self._gossip_params = params
 
@@ -176,7 +179,7 @@ class DecentralizedSGD(SGD):
     def _release_blocker(self) -> str | None:
         return "DecentralizedSGD averages the whole model with its neighbours after the step"
 
-    def step(self, closure: Callable[[], Any] | None = None, tracker: Any = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Callable[[], Any] | None = None, tracker: Any = None) -> Any:
         """The local SGD step, then one gossip round of the model's weights (collective: every rank steps).
 
         ``tracker``: mlbench's ``Tracker`` (or anything with ``record_batch_opt_step`` and

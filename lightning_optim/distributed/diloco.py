@@ -49,6 +49,13 @@ compressor puts on the wire, plus at construction one small agreement (the argum
 16-byte all-reduce of the params' checksum and, only where the ranks' params differ, one broadcast of group rank
 0's params into every rank's :math:`\theta_g` (under DDP they are rank 0's already); and a compressor's first call.
 
+The end of a run (``finish()``, which the Lightning strategies, the HF callback and ``enable_diloco``'s
+``max_steps`` call for you): with ``final_sync=True`` (the default) an overlapped exchange still in flight is
+merged and every fragment that some rank holds apart from :math:`\theta_g` is exchanged and taken by every rank
+(the equations above, without mixing), so the run ends with one model on every rank; with ``final_sync=False``
+nothing is sent and rank 0 warns where the ranks end apart. ``warn_if_no_sync(last_step)``: rank 0 warns when a
+run that ends after inner step ``last_step`` would reach no synchronisation (``diloco_end.py``).
+
 Checkpoints: ``state_dict()`` holds the inner optimizer's state (``state``, ``param_groups``: this rank's
 own) and ``"diloco"`` (``diloco_state.py``: global params, outer momentum, step, residuals, compressor
 states, an overlapped exchange still to merge - waited for first). A reload in a fresh object continues
@@ -58,6 +65,7 @@ naming it within ``lightning_optim.comm.collective_timeout()`` (``comm/roll_call
 from __future__ import annotations
 
 import copy
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -75,6 +83,7 @@ from .centralized import GenericCentralizedOptimizer
 from .communicating import CommunicatingOptimizer
 from .compressed_checks import check_distinct_params, check_float_params
 from .decentralized import DecentralizedSGD
+from .diloco_end import apart_message, first_sync_after, fragments_apart, no_sync_message, settled_by_schedule
 from .diloco_exchange import (
     COMPRESSORS,
     Exchange,
@@ -90,9 +99,9 @@ from .loading import check_local_state_dict
 __all__ = ["DiLoCo", "check_diloco_arguments"]
 
 ARGUMENTS = ("inner", "params", "sync_every", "fragments", "outer_lr", "outer_momentum", "nesterov", "overlap",
-             "mixing", "compressor")
+             "mixing", "compressor", "final_sync")
 _FIELDS = ("sync_every", "fragments", "overlap", "nesterov", "outer_lr", "outer_momentum", "mixing", "compressor",
-           "params", "elements", "shapes")
+           "final_sync", "params", "elements", "shapes")
 _WIDENED = (torch.float16, torch.bfloat16)  # their global copy, momentum and residuals are fp32
 DEFAULT_MIXING = 0.5
 
@@ -116,8 +125,10 @@ def _check_inner(inner: object) -> list[Tensor]:
 
 
 def _check_settings(params: list[Tensor], sync_every: object, fragments: object, outer_lr: object,
-                    outer_momentum: object, nesterov: object, overlap: object, mixing: object) -> dict[str, Any]:
-    settings = check_diloco_arguments(sync_every, fragments, outer_lr, outer_momentum, nesterov, overlap, mixing)
+                    outer_momentum: object, nesterov: object, overlap: object, mixing: object,
+                    final_sync: object) -> dict[str, Any]:
+    settings = check_diloco_arguments(sync_every, fragments, outer_lr, outer_momentum, nesterov, overlap, mixing,
+                                      final_sync)
     if settings["fragments"] > len(params):
         raise ValueError(f"fragments must be in [1, {len(params)}] (the inner optimizer's {len(params)} params, one "
                          f"at least per fragment), got {settings['fragments']}")
@@ -126,7 +137,7 @@ def _check_settings(params: list[Tensor], sync_every: object, fragments: object,
 
 def check_diloco_arguments(sync_every: object, fragments: object = 1, outer_lr: object = 0.7,
                            outer_momentum: object = 0.9, nesterov: object = True, overlap: object = False,
-                           mixing: object = None) -> dict[str, Any]:
+                           mixing: object = None, final_sync: object = True) -> dict[str, Any]:
     """The checks of :class:`DiLoCo`'s arguments that need no params (for adapters that wrap an optimizer
     later): the settings with ``mixing`` resolved, or ``TypeError``/``ValueError`` naming the argument."""
     sync_every = check_int("sync_every", sync_every, 1)
@@ -147,8 +158,9 @@ def check_diloco_arguments(sync_every: object, fragments: object = 1, outer_lr: 
         mixing = check_unit_interval("mixing", mixing, closed_right=True)
     elif overlap:
         mixing = DEFAULT_MIXING
+    check_flag("final_sync", final_sync)
     return dict(sync_every=sync_every, fragments=fragments, outer_lr=outer_lr, outer_momentum=outer_momentum,
-                nesterov=nesterov, overlap=overlap, mixing=mixing)
+                nesterov=nesterov, overlap=overlap, mixing=mixing, final_sync=final_sync)
 
 
 def _compressor_code(name: str) -> int:
@@ -167,7 +179,7 @@ def _show(field: str, value: int) -> str:
         return repr(names[value]) if value < len(names) else f"a Compressor instance (class checksum {value:x})"
     if field == "shapes":
         return f"checksum {value & 0xFFFFFFFF:08x}"
-    return repr(bool(value)) if field in ("overlap", "nesterov") else str(value)
+    return repr(bool(value)) if field in ("overlap", "nesterov", "final_sync") else str(value)
 
 
 class DiLoCo(torch.optim.Optimizer):
@@ -183,20 +195,38 @@ class DiLoCo(torch.optim.Optimizer):
         overlap: start each exchange after its step and merge it one inner step later.
         mixing: alpha in [0, 1] of the overlapped merge (None: 0.5 with overlap; only with overlap).
         compressor: None, a name ("int8", "int4", "onebit", "sign", "topk", "powersgd") or a Compressor.
+        final_sync: what :meth:`finish` does when the run ends between synchronisations. True (the default): one
+            more synchronisation of what the ranks hold apart, so the run ends with one model on every rank - the
+            one a main-process save writes and an evaluation scores - for one exchange of at most the whole model;
+            the inner steps since the last synchronisation count as a shorter round. Checkpoints written before
+            the end hold the state without it and resume bitwise. False: nothing is sent, every rank keeps its own
+            params, and rank 0 warns; continuing the same objects afterwards then takes exactly the steps of one
+            uninterrupted run.
         process_group: the ranks that average (None: the default group).
     """
 
+    # the checked arguments (``_check_settings``), set together in ``__init__``
+    sync_every: int
+    outer_lr: float
+    outer_momentum: float
+    nesterov: bool
+    fragments: int
+    overlap: bool
+    mixing: float | None
+    final_sync: bool
+
     def __init__(self, inner: torch.optim.Optimizer, *, sync_every: int, outer_lr: float = 0.7,
                  outer_momentum: float = 0.9, nesterov: bool = True, fragments: int = 1, overlap: bool = False,
-                 mixing: float | None = None, compressor: Any = None, process_group: Any = None) -> None:
+                 mixing: float | None = None, compressor: Any = None, final_sync: bool = True,
+                 process_group: Any = None) -> None:
         check_process_group("process_group", process_group)
         error, row = None, None
         try:
             params = _check_inner(inner)
             settings = _check_settings(params, sync_every, fragments, outer_lr, outer_momentum, nesterov, overlap,
-                                       mixing)
+                                       mixing, final_sync)
             compressor_name, prototype = resolve_compressor(compressor)
-            row = {**{k: int(settings[k]) for k in ("sync_every", "fragments", "overlap", "nesterov")},
+            row = {**{k: int(settings[k]) for k in ("sync_every", "fragments", "overlap", "nesterov", "final_sync")},
                    "outer_lr": float_bits(settings["outer_lr"]),
                    "outer_momentum": float_bits(settings["outer_momentum"]),
                    "mixing": float_bits(-1.0 if settings["mixing"] is None else settings["mixing"]),
@@ -229,6 +259,7 @@ class DiLoCo(torch.optim.Optimizer):
         self.pending: tuple[int, int, Exchange] | None = None  # (fragment, step it merges at, its exchange)
 
     # ------------------------------------------------------------------ torch.optim.Optimizer face
+    # read-only views of the inner optimizer's, where torch.optim.Optimizer declares plain attributes
     @property
     def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
         """The inner optimizer's groups (LR schedulers set the inner ``lr`` here)."""
@@ -252,7 +283,7 @@ class DiLoCo(torch.optim.Optimizer):
     def __repr__(self) -> str:
         return (f"DiLoCo(sync_every={self.sync_every}, outer_lr={self.outer_lr}, outer_momentum={self.outer_momentum}, "
                 f"nesterov={self.nesterov}, fragments={self.fragments}, overlap={self.overlap}, mixing={self.mixing}, "
-                f"compressor={self.compressor_name!r}, inner={self.inner!r})")
+                f"compressor={self.compressor_name!r}, final_sync={self.final_sync}, inner={self.inner!r})")
 
     # ------------------------------------------------------------------ stepping
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -264,9 +295,9 @@ class DiLoCo(torch.optim.Optimizer):
         t = self.inner_steps
         with torch.no_grad():
             if self.pending is not None and self.pending[1] == t:
-                fragment, _, exchange = self.pending
+                merged, _, exchange = self.pending
                 self.pending = None
-                self._merge(fragment, exchange.result(), self.mixing)
+                self._merge(merged, exchange.result(), self.mixing)
             fragment = syncing_fragment(t, self.sync_every, self.fragments)
             if fragment is not None:
                 exchange = self._start(fragment, t)
@@ -276,25 +307,66 @@ class DiLoCo(torch.optim.Optimizer):
                     self._merge(fragment, exchange.result(), None)
         return loss
 
-    def _start(self, fragment: int, t: int) -> Exchange:
+    def _start(self, fragment: int, t: int, final: bool = False) -> Exchange:
         lo, hi = self.bounds[fragment]
         deltas = pseudo_gradients(self.global_params[lo:hi], self.params[lo:hi])
         compressor = self.compressors[fragment]
-        residuals = None
+        residuals: list[Tensor] | None = None
         if compressor is not None and not keeps_own_errors(compressor) and world_size(self.process_group) > 1:
+            residuals = []
             for i in range(lo, hi):
-                if self.residuals[i] is None:
-                    self.residuals[i] = torch.zeros_like(self.global_params[i])
-            residuals = self.residuals[lo:hi]
+                residual = self.residuals[i]
+                if residual is None:
+                    residual = self.residuals[i] = torch.zeros_like(self.global_params[i])
+                residuals.append(residual)
+        kind = "final exchange" if final else "exchange"
         return start_exchange(deltas, compressor=compressor, residuals=residuals, group=self.process_group,
-                              what=f"DiLoCo exchange of fragment {fragment} after inner step {t}",
-                              tag=f"diloco/step{t}/fragment{fragment}")
+                              what=f"DiLoCo {kind} of fragment {fragment} after inner step {t}",
+                              tag=f"diloco/{'final' if final else 'step'}{t}/fragment{fragment}")
 
     def _merge(self, fragment: int, averaged: list[Tensor], mixing: float | None) -> None:
         lo, hi = self.bounds[fragment]
         outer_step_(self.global_params[lo:hi], self.outer_momenta[lo:hi] if self.outer_momenta else [], averaged,
                     lr=self.outer_lr, momentum=self.outer_momentum, nesterov=self.nesterov)
         take_global_(self.params[lo:hi], self.global_params[lo:hi], mixing)
+
+    # ------------------------------------------------------------------ the ends of a run
+    def warn_if_no_sync(self, last_step: int, caller: str = "DiLoCo") -> bool:
+        """Whether a run that ends after inner step ``last_step`` (counted as ``inner_steps`` counts, from the
+        start of training) reaches no synchronisation from here; rank 0 warns when so. No communication."""
+        first = first_sync_after(self.inner_steps, self.sync_every, self.fragments)
+        if not self.inner_steps < last_step < first:
+            return False
+        if self._origin()[1] == 0:
+            warnings.warn(no_sync_message(caller, self.sync_every, self.fragments, first, last_step, self.final_sync),
+                          UserWarning, stacklevel=2)
+        return True
+
+    def finish(self, caller: str = "DiLoCo") -> bool:
+        """End the run (call it on every rank after the last step; the adapters do). ``final_sync=True``: merge
+        an exchange still in flight, then synchronise every fragment some rank holds apart from the global copy
+        (collective: one small all-reduce, then the exchanges), so that every rank holds the same params; a run
+        that ends right after a synchronisation sends nothing. ``final_sync=False``: nothing is sent; rank 0
+        warns where the ranks end apart. Returns whether it synchronised anything."""
+        t = self.inner_steps
+        if settled_by_schedule(t, self.sync_every, self.fragments, self.overlap) and self.pending is None:
+            return False
+        world, rank = self._origin()
+        if not self.final_sync:
+            synced_now = not self.overlap and syncing_fragment(t, self.sync_every, self.fragments) is not None
+            if t and world > 1 and rank == 0:
+                warnings.warn(apart_message(caller, t, self.fragments - int(synced_now), self.fragments,
+                                            self.sync_every), UserWarning, stacklevel=2)
+            return False
+        with torch.no_grad():
+            if self.pending is not None:  # its merge would have followed the next step: it follows now
+                fragment, _, exchange = self.pending
+                self.pending = None
+                self._merge(fragment, exchange.result(), self.mixing)
+            apart = fragments_apart(self.params, self.global_params, self.bounds, self.process_group)
+            for fragment in apart:
+                self._merge(fragment, self._start(fragment, t, final=True).result(), None)
+        return bool(apart)
 
     # ------------------------------------------------------------------ checkpoints
     def _settings(self) -> dict[str, Any]:

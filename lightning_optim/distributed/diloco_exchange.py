@@ -87,7 +87,7 @@ class Exchange:
         self._values: list[Tensor] | None = None
 
     @classmethod
-    def ready(cls, values: Sequence[Tensor]) -> "Exchange":
+    def ready(cls, values: Sequence[Tensor]) -> Exchange:
         exchange = cls("", "", None, time.monotonic(), 0.0)
         exchange._values = list(values)
         return exchange
@@ -98,8 +98,11 @@ class Exchange:
 
     def result(self) -> list[Tensor]:
         if self._values is None:
+            wait = self._wait
+            if wait is None:  # only a ready exchange has none, and it has its values
+                raise RuntimeError(f"{self.what}: the exchange was never started")
             try:
-                self._values = self._wait(grace_for(self.bound))
+                self._values = wait(grace_for(self.bound))
             except CommunicationError as exc:
                 raise named_failure(exc, self.what, self.tag, self.group, until=self.started + self.bound) from exc
         return self._values

@@ -29,6 +29,7 @@ mixing :math:`\alpha` (the overlapped exchange) :math:`\theta \leftarrow \alpha\
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import pairwise
 
 import torch
 from torch import Tensor
@@ -51,7 +52,7 @@ def fragment_bounds(numels: Sequence[int], fragments: int) -> list[tuple[int, in
         target = f * total / fragments
         cuts.append(min(range(lowest, highest + 1), key=lambda k: (abs(running[k] - target), k)))
     cuts.append(count)
-    return list(zip(cuts[:-1], cuts[1:]))
+    return list(pairwise(cuts))
 
 
 def syncing_fragment(step: int, sync_every: int, fragments: int) -> int | None:

@@ -43,7 +43,7 @@ def _tensors(key: str, value: object, like: Sequence[Tensor], *, optional: bool 
     if not isinstance(value, (list, tuple)) or len(value) != len(like):
         raise ValueError(f"state_dict: diloco '{key}' must be a list of {len(like)} tensors, got "
                          f"{type(value).__name__}{f' of {len(value)}' if isinstance(value, (list, tuple)) else ''}")
-    out = []
+    out: list[Any] = []
     for i, (t, ref) in enumerate(zip(value, like)):
         if t is None and optional:
             out.append(None)
@@ -83,7 +83,7 @@ def _pending(value: object, step: int, bounds: Sequence[tuple[int, int]], global
 def _compressors(value: object, live: Sequence[Any]) -> list[Any]:
     if not isinstance(value, (list, tuple)) or len(value) != len(live):
         raise ValueError(f"state_dict: diloco 'compressors' must be a list of {len(live)} states (one per fragment)")
-    out = []
+    out: list[Any] = []
     for f, (state, compressor) in enumerate(zip(value, live)):
         if compressor is None:
             if state not in (None, {}):
@@ -126,7 +126,10 @@ def check_section(section: object, *, settings: Mapping[str, Any], bounds: Seque
         if saved.get(key) != settings[key] or type(saved.get(key)) is not type(settings[key]):
             raise ValueError(f"state_dict: diloco 'settings' {key}={saved.get(key)!r} differs from this optimizer's "
                              f"{key}={settings[key]!r}: the schedule, fragments and compressor state would not fit")
-    where = (section.get("world_size"), section.get("rank"))
+    where = (_count("world_size", section.get("world_size")), _count("rank", section.get("rank")))
+    if where[0] < 1 or where[1] >= where[0]:
+        raise ValueError(f"state_dict: diloco 'world_size' and 'rank' must be an int >= 1 and a rank in [0, "
+                         f"world_size), got {where[0]} and {where[1]}")
     if where != origin and _holds_rank_state(section):
         raise ValueError(f"state_dict: diloco 'rank': saved by rank {where[1]} of {where[0]}, loaded on rank "
                          f"{origin[1]} of {origin[0]}; its error-feedback state is per rank (load each rank's own)")

@@ -24,14 +24,15 @@ Differences from mlbench, and why:
   what every rank shares); mlbench raises ``NotImplementedError``;
 * ``by_layer=True`` compresses and all-reduces param by param (the same result, more and smaller
   collectives); mlbench's ``by_layer`` path fails;
-* ``use_cuda`` is accepted and ignored: tensors stay on their params' device (mlbench allocates its P/Q
-  buffers on ``cuda:0`` whenever CUDA exists);
+* ``use_cuda`` is accepted and not acted on: tensors stay on their params' device (mlbench allocates its P/Q
+  buffers on ``cuda:0`` whenever CUDA exists); ``use_cuda=True`` with params off CUDA warns;
 * the query :math:`Q` is drawn from a ``torch.Generator`` seeded with ``seed`` on every rank (mlbench:
   numpy's ``RandomState(1)`` reseeding the global torch RNG, which it thereby changes);
 * ``model`` may also be an iterable of params or param groups; params with ``requires_grad=False``
   take no part, and a param without a gradient on this rank counts as zeros;
-* ``rank`` (the approximation rank, >= 1; clipped per matrix to :math:`\min(n, m)`) and ``world_size``
-  (equal to the process group's size) are checked on every rank at construction.
+* ``matrix_approximation_rank`` (mlbench's ``rank``, the name torch's ``PowerSGDState`` gives it; >= 1,
+  clipped per matrix to :math:`\min(n, m)`) and ``world_size`` (equal to the process group's size) are checked
+  on every rank at construction.
 
 State (per rank, in ``state_dict``): ``momentum_buffer`` and ``memory`` (the error feedback, different
 on every rank) per param, and under ``"powersgd"`` the query generator and, with ``reuse_query``, the
@@ -44,20 +45,23 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.optim.optimizer import required
 
 from lightning_optim.comm.agreement import agree
 from lightning_optim.comm.compressors import PowerSGDCompressor
 from lightning_optim.comm.timeouts import check_process_group
+from lightning_optim.distributed.agreement import required
 from lightning_optim.optim.state_dicts import check_state_tensor
 from lightning_optim.optim.validation import (
     check_flag,
+    check_int,
     check_non_negative,
     check_optional_flag,
     check_unit_interval,
     plain_numbers,
 )
+from lightning_optim.renames import Alias, argument_aliases
 
+from .agreement import warn_use_cuda
 from .communicating import CommunicatingOptimizer
 from .compressed_checks import (
     check_distinct_params,
@@ -72,8 +76,11 @@ from .loading import check_param_states, saved_groups
 __all__ = ["PowerSGD"]
 
 ARGUMENTS = ("model", "lr", "momentum", "weight_decay", "dampening", "nesterov", "average_world", "use_cuda",
-             "by_layer", "reuse_query", "world_size", "rank", "seed")
-_SETTINGS = ("world_size", "average_world", "by_layer", "rank", "reuse_query", "seed")
+             "by_layer", "reuse_query", "world_size", "matrix_approximation_rank", "seed")
+_SETTINGS = ("world_size", "average_world", "by_layer", "matrix_approximation_rank", "reuse_query", "seed")
+# mlbench's spelling: its ``rank`` is the approximation rank, beside world_size where it reads like the process's
+ALIASES = (Alias("rank", "matrix_approximation_rank", "mlbench's PowerSGD",
+                 deprecated="here it is the rank of the low-rank approximation, not the process's rank"),)
 _LAYOUT = ("params", "elements", "shapes")
 STATE_KEY = "powersgd"
 
@@ -95,20 +102,20 @@ def _params_of(model: object) -> list:
 def _check_sgd(lr: object, momentum: object, weight_decay: object, dampening: object, nesterov: object) -> None:
     """The SGD hyper-parameters, checked alike by the constructor, ``add_param_group`` and loading."""
     check_non_negative("lr", lr)
-    check_non_negative("momentum", momentum)
+    mu = check_non_negative("momentum", momentum)
     check_non_negative("weight_decay", weight_decay)
-    check_unit_interval("dampening", dampening, closed_right=True)
-    check_flag("nesterov", nesterov)
-    if nesterov and (momentum <= 0 or dampening != 0):
+    damp = check_unit_interval("dampening", dampening, closed_right=True)
+    if check_flag("nesterov", nesterov) and (mu <= 0 or damp != 0):
         raise ValueError(f"nesterov=True needs momentum > 0 and dampening 0, got momentum={momentum}, "
                          f"dampening={dampening}")
 
 
-def _group_params(params: object) -> list:
+def _group_params(params: Tensor | Iterable[Any]) -> list[Any] | set[Any]:
     # torch's forms: one tensor or an ordered collection (a set is refused by torch's add_param_group)
     return [params] if isinstance(params, Tensor) else params if isinstance(params, set) else list(params)
 
 
+@argument_aliases(*ALIASES)
 class PowerSGD(CommunicatingOptimizer, torch.optim.SGD):
     """PowerSGD with error feedback, then momentum SGD (see the module docstring).
 
@@ -120,11 +127,11 @@ class PowerSGD(CommunicatingOptimizer, torch.optim.SGD):
         dampening: dampening for momentum, in [0, 1].
         nesterov: Nesterov momentum (needs momentum > 0 and dampening 0).
         average_world: average over ranks (False: sum).
-        use_cuda: accepted, ignored (the params' device is used).
+        use_cuda: accepted; the params' device is used (True off CUDA warns).
         by_layer: one compression and its collectives per param instead of one for all.
         reuse_query: warm-start each power iteration from the previous step's Q.
         world_size: the number of ranks (must equal the process group's).
-        rank: the rank of the approximation, an int >= 1.
+        matrix_approximation_rank: the rank of the low-rank approximation, an int >= 1.
         seed: the seed of the query generator, an int >= 0, the same on every rank (keyword only).
         process_group: the group to communicate in (keyword only; None: the default group).
     """
@@ -132,7 +139,7 @@ class PowerSGD(CommunicatingOptimizer, torch.optim.SGD):
     def __init__(self, model: nn.Module | Iterable | None = None, lr: float = required, momentum: float = 0,
                  weight_decay: float = 0, dampening: float = 0, nesterov: bool = False, average_world: bool = True,
                  use_cuda: bool = False, by_layer: bool = False, reuse_query: bool = False, world_size: int = 1,
-                 rank: int = 1, *, seed: int = 0, process_group: Any = None) -> None:
+                 matrix_approximation_rank: int = 1, *, seed: int = 0, process_group: Any = None) -> None:
         self.process_group = check_process_group("process_group", process_group)
         error = None
         try:
@@ -144,6 +151,7 @@ class PowerSGD(CommunicatingOptimizer, torch.optim.SGD):
             self.use_cuda = check_flag("use_cuda", use_cuda)
             self.by_layer = check_flag("by_layer", by_layer)
             self.world_size = check_world_size(world_size, process_group)
+            rank = check_int("matrix_approximation_rank", matrix_approximation_rank, 1)
             self.compressor = PowerSGDCompressor(rank, check_flag("reuse_query", reuse_query), seed=seed)
             super().__init__(params, lr=float(lr), momentum=float(momentum), dampening=float(dampening),
                              weight_decay=float(weight_decay), nesterov=nesterov)
@@ -151,6 +159,7 @@ class PowerSGD(CommunicatingOptimizer, torch.optim.SGD):
             error = exc
         agree(type(self).__name__, _SETTINGS + _LAYOUT, None if error else self._fields(), group=process_group,
               like=[] if error else trainable(self.param_groups), error=error, arguments=ARGUMENTS)
+        warn_use_cuda(type(self).__name__, self.use_cuda, trainable(self.param_groups))
 
     # ------------------------------------------------------------------ param groups
     def _validate_group(self, group: dict[str, Any]) -> None:
@@ -167,7 +176,7 @@ class PowerSGD(CommunicatingOptimizer, torch.optim.SGD):
         refused (torch only warns within a group): nothing is added when they fail."""
         if not isinstance(param_group, dict):
             raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
-        group = {k: v if k == "params" else plain_numbers(v) for k, v in param_group.items()}
+        group: dict[str, Any] = {k: v if k == "params" else plain_numbers(v) for k, v in param_group.items()}
         params = _group_params(group["params"])
         if not isinstance(params, set):  # torch refuses sets with its own message
             self._validate_group({**self.defaults, **group, "params": params})
@@ -177,7 +186,7 @@ class PowerSGD(CommunicatingOptimizer, torch.optim.SGD):
     def _fields(self) -> dict[str, int]:
         c = self.compressor
         return {"world_size": self.world_size, "average_world": int(self.average_world), "by_layer": int(self.by_layer),
-                "rank": c.rank, "reuse_query": int(c.reuse_query), "seed": c.seed,
+                "matrix_approximation_rank": c.rank, "reuse_query": int(c.reuse_query), "seed": c.seed,
                 **layout_fields(trainable(self.param_groups))}
 
     @torch.no_grad()

@@ -5,8 +5,10 @@ Per param tensor, on each rank :math:`r` (gradient :math:`g_r`, memory :math:`e_
 
 .. math::
     e_r &\leftarrow e_r + \eta\, g_r \\
-    S_r &= k \text{ positions (blockwise, random or top-}k\text{)}, \qquad s_r = (e_r)_{S_r}, \quad (e_r)_{S_r} \leftarrow 0 \\
-    u &= \textstyle\sum_{r} s_r \quad (\div\, W \text{ with ``average_world``}) \qquad \text{(all-gather of values and positions)} \\
+    S_r &= k \text{ positions (blockwise, random or top-}k\text{)}, \qquad s_r = (e_r)_{S_r},
+        \quad (e_r)_{S_r} \leftarrow 0 \\
+    u &= \textstyle\sum_{r} s_r \quad (\div\, W \text{ with ``average_world``})
+        \qquad \text{(all-gather of values and positions)} \\
     p &\leftarrow p - u - \lambda p
 
 so every rank applies the same update ``u`` and the params stay equal on every rank. As in mlbench the
@@ -42,12 +44,13 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.optim.optimizer import required
 
 from lightning_optim.comm.agreement import agree, fingerprint
 from lightning_optim.comm.compressors import SparsePayload, gather_sparse
 from lightning_optim.comm.timeouts import check_process_group
+from lightning_optim.distributed.agreement import required
 from lightning_optim.optim.base import Batch, ParamsT
+from lightning_optim.optim.batch import TensorList
 from lightning_optim.optim.sparsified_sgd import SparsifiedSGD
 from lightning_optim.optim.state_dicts import check_state_tensor
 from lightning_optim.optim.validation import check_flag
@@ -155,7 +158,7 @@ class CentralizedSparsifiedSGD(CommunicatingOptimizer, SparsifiedSGD):
             # a state set by hand: refused here, before any step count moves
             for i, p in enumerate(trainable(self.param_groups)):
                 for key, value in self.state.get(p, {}).items():
-                    if isinstance(value, Tensor):
+                    if isinstance(value, Tensor) and key != "step":  # step: the 0-d count torch keeps
                         check_state_tensor(f"state of param {i}", key, value, [tuple(p.shape)], tuple(p.shape))
         except (TypeError, ValueError) as exc:
             error = exc
@@ -167,7 +170,7 @@ class CentralizedSparsifiedSGD(CommunicatingOptimizer, SparsifiedSGD):
         self._selection = super()._select(group, p, flat, k)
         return self._selection
 
-    def _apply(self, batch: Batch, deltas: list[Tensor], decay: float | list[float] = 0.0) -> None:
+    def _apply(self, batch: Batch, deltas: TensorList, decay: float | list[float] = 0.0) -> None:
         # SparsifiedSGD hands over -s for one param (per_tensor): exchange s, apply -u instead
         selection, self._selection = self._selection, None
         (delta,) = deltas

@@ -7,7 +7,7 @@
 * :class:`PowerSGDStrategy`, :class:`TopKStrategy`, :class:`RandomKStrategy`, :class:`SignSGDStrategy`,
   :class:`DecentralizedStrategy`, :class:`FP16CompressStrategy` (``strategies.py``, mixins in
   ``_comm_hook_strategies.py``): DDP with one of :mod:`lightning_optim.comm.ddp_hooks` on every device,
-  registered as ``"powersgd"``, ``"topk"``, ``"randomk"``, ``"signsgd"``, ``"decentralized"``, ``"fp16_compress"``.
+  registered as ``"powersgd"``, ``"topk"``, ``"randomk"``, ``"sign_sgd"``, ``"decentralized"``, ``"fp16_compress"``.
 * :class:`DiLoCoStrategy`, :class:`StreamingDiLoCoStrategy` (``_diloco.py``), ``"diloco"``,
   ``"streaming_diloco"``: the optimizer wrapped in :class:`lightning_optim.DiLoCo`, no gradient all-reduce.
 * :class:`OnebitFSDPStrategy` (``_fsdp.py``), ``"onebit_fsdp"``: Lightning's FSDP2 strategy on a
@@ -18,13 +18,18 @@
 * :class:`MasterWeightsPrecision`, :class:`KahanPrecision` (``precision.py``): precision plugins.
 * :class:`GradientRelease` (``release.py``): gradient release on one device and under DDP.
 
-Importing this package does not import Lightning; the names above load it on first access.
+Needs Lightning (``pip install 'lightning-optim[lightning]'``): importing this package without it raises an
+``ImportError`` naming the extra. Importing it does not import Lightning; the names above load it on first access.
 """
 
 from __future__ import annotations
 
 import importlib
 from typing import Any
+
+from lightning_optim.extras import require
+
+require("lightning", "lightning_optim.lightning (the Lightning strategies, plugins and callbacks)")
 
 __all__ = ["OnebitAdamStrategy", "ZeroOneAdamStrategy", "OnebitLambStrategy", "PowerSGDStrategy", "TopKStrategy",
            "RandomKStrategy", "SignSGDStrategy", "DecentralizedStrategy", "FP16CompressStrategy", "OnebitFSDPStrategy",

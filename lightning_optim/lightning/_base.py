@@ -27,14 +27,16 @@ from typing import Any, ClassVar, Literal
 import torch
 import torch.distributed as dist
 
+from lightning_optim.lightning._bases import attached, ddp_model
 from lightning_optim.lightning._clipping import _AgreedClipMixin
 from lightning_optim.lightning._ddp_hooks import _SwitchableAllreduceMixin
 from lightning_optim.lightning._failures import DEFAULT_TIMEOUT_S, _CommFailureMixin
 from lightning_optim.lightning._rank_checkpoints import CHECKPOINT_KEY, _PerRankCheckpointMixin, rank_file
 from lightning_optim.lightning._telemetry import _ByteCountingMixin
-from lightning_optim.lightning.convert import retarget_schedulers, to_onebit
 from lightning_optim.onebit import OnebitAdam, OnebitLamb, OnebitOptimizer, ZeroOneAdam
+from lightning_optim.onebit.auto_freeze import AutoFreezeMixin
 from lightning_optim.onebit.base import _auto_mask_ratio
+from lightning_optim.onebit.convert import retarget_schedulers, to_onebit
 from lightning_optim.onebit.overlap import OverlapState, bind_overlap, check_trains_ddp_params, onebit_overlap_hook
 
 __all__ = ["CHECKPOINT_KEY", "DEFAULT_TIMEOUT_S", "rank_file"]
@@ -91,6 +93,15 @@ class _OnebitStrategyMixin(_AgreedClipMixin, _PerRankCheckpointMixin, _ByteCount
         return {**super().comm_summary(),
                 "optimizer": type(self._onebit).__name__ if self._onebit is not None else None}
 
+    def check_world(self, processes_per_node: int, num_nodes: int) -> None:
+        per_node = self._knobs.get("hierarchical", False)
+        world = processes_per_node * num_nodes
+        if per_node is not True and per_node is not False and world % per_node:
+            raise ValueError(f"{type(self).__name__}: hierarchical={per_node} ranks per node do not divide the "
+                             f"{world} ranks of the world; give a node size that divides it (true: the "
+                             f"{processes_per_node} processes per node), or false")
+        super().check_world(processes_per_node, num_nodes)
+
     # ------------------------------------------------------------------ the concerns' questions
     def _per_rank_optimizer(self) -> OnebitOptimizer | None:
         return self._onebit
@@ -114,9 +125,10 @@ class _OnebitStrategyMixin(_AgreedClipMixin, _PerRankCheckpointMixin, _ByteCount
                 "shared by all ranks), precision='bf16-mixed' or '32-true'"
             )
         fitting = trainer.state.fn == "fit"
-        if fitting and self._telemetry:
-            if not any(isinstance(cb, self.telemetry_callback_class) for cb in trainer.callbacks):
-                trainer.callbacks.append(self.telemetry_callback_class())
+        if fitting and self._telemetry and not any(
+            isinstance(cb, self.telemetry_callback_class) for cb in trainer.callbacks
+        ):
+            trainer.callbacks.append(self.telemetry_callback_class())
         super().setup(trainer)
         self._agree_on_clipping()
         if fitting:
@@ -126,7 +138,8 @@ class _OnebitStrategyMixin(_AgreedClipMixin, _PerRankCheckpointMixin, _ByteCount
         super().setup_optimizers(trainer)
         if len(self.optimizers) != 1:
             raise ValueError(
-                f"{type(self).__name__} needs exactly one optimizer from configure_optimizers, got {len(self.optimizers)}"
+                f"{type(self).__name__} needs exactly one optimizer from configure_optimizers, "
+                f"got {len(self.optimizers)}"
             )
         if self._knobs.get("hierarchical") is True:  # Lightning sets no LOCAL_WORLD_SIZE: its devices per node
             self._knobs["hierarchical"] = self.num_processes
@@ -139,7 +152,8 @@ class _OnebitStrategyMixin(_AgreedClipMixin, _PerRankCheckpointMixin, _ByteCount
         new.ddp_allreduce_managed = True  # the switchable hook follows needs_averaged_grads
         if new.hierarchical and self._switch is not None:  # the warmup's DDP average is hierarchical too
             self._switch.average = new.average_
-        self._trained_numel = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+        model = attached(self.model, "model")
+        self._trained_numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
 
     def _adopt(self, optimizer: torch.optim.Optimizer) -> OnebitOptimizer:
         optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer
@@ -168,16 +182,20 @@ class _OnebitStrategyMixin(_AgreedClipMixin, _PerRankCheckpointMixin, _ByteCount
     # ------------------------------------------------------------------ stage warnings
     def on_train_start(self) -> None:
         super().on_train_start()
-        opt, trainer = self._onebit, self.lightning_module.trainer
+        opt, trainer = self._onebit, attached(self.lightning_module, "lightning_module").trainer
         total = trainer.estimated_stepping_batches
-        if opt is not None and math.isfinite(total) and hasattr(opt, "limit_auto_freeze"):
-            opt.limit_auto_freeze(opt.global_step + max(0, int(total) - trainer.global_step))  # every rank
-        if opt is None or self.global_rank != 0 or not math.isfinite(total):
+        if opt is None or not math.isfinite(total):
+            return
+        run = opt.global_step + max(0, int(total) - trainer.global_step)
+        if run >= 1 and isinstance(opt, AutoFreezeMixin):
+            opt.limit_auto_freeze(run)  # every rank
+        if self.global_rank != 0:
             return
         auto = getattr(opt, "_auto", None)  # freeze_step="auto": the earliest step it may choose
         freeze = min(opt.global_step, auto[2]) + auto[0] if auto else opt._variance_freeze_step()
         last_step = opt.global_step + max(0, int(total) - trainer.global_step)
-        if last_step <= freeze and not (auto and opt.in_compression_stage):
+        compressing = isinstance(opt, (OnebitAdam, OnebitLamb)) and opt.in_compression_stage
+        if last_step <= freeze and not (auto and compressing):
             warnings.warn(
                 f"{type(self).__name__}: {self._freeze_arg}={freeze}, but this fit ends at optimizer step {last_step}: "
                 "compression will not engage (every step is a full-precision DDP step). Pass "
@@ -207,7 +225,9 @@ class _OnebitAdamMixin(_OnebitStrategyMixin):
 
     Args:
         freeze_step: warmup steps (``OnebitAdam``'s default, 100000, when None), or ``"auto"``: warmup ends when
-            the variance has settled (``lightning_optim.onebit.auto_freeze``; the chosen step is logged).
+            the variance has settled (``lightning_optim.onebit.auto_freeze``; the chosen step is announced once).
+        auto_freeze_window, auto_freeze_tolerance, auto_freeze_max: that rule's W, tau and cap (``OnebitAdam``'s;
+            only with ``freeze_step="auto"``; without ``auto_freeze_max`` the cap is 15% of the fit's steps).
         auto_mask: ``OnebitAdam``'s (True when None; False: off; or the ratio, see docs/onebit.md).
         overlap: exchange the momenta of each unit of params while backward still runs (the comm hook of
             ``lightning_optim.onebit.overlap``) instead of in ``optimizer.step()``; not with
@@ -225,14 +245,18 @@ class _OnebitAdamMixin(_OnebitStrategyMixin):
 
     def __init__(self, freeze_step: int | Literal["auto"] | None = None, auto_mask: bool | float | None = None,
                  overlap: bool = False,
-                 overlap_unit_mb: float | None = None, **kwargs: Any) -> None:
+                 overlap_unit_mb: float | None = None, auto_freeze_window: int | None = None,
+                 auto_freeze_tolerance: float | None = None, auto_freeze_max: int | None = None,
+                 **kwargs: Any) -> None:
         if not isinstance(overlap, bool):
             raise TypeError(f"{type(self).__name__}: overlap must be True or False, got {overlap!r}")
         if overlap_unit_mb is not None and not overlap:
             raise ValueError(f"{type(self).__name__}: overlap_unit_mb needs overlap=True")
         self._overlap, self._overlap_unit_mb = overlap, overlap_unit_mb
         self._overlap_state: OverlapState | None = None
-        super().__init__(knobs={"freeze_step": freeze_step, "auto_mask": auto_mask}, **kwargs)
+        knobs = dict(freeze_step=freeze_step, auto_mask=auto_mask, auto_freeze_window=auto_freeze_window,
+                     auto_freeze_tolerance=auto_freeze_tolerance, auto_freeze_max=auto_freeze_max)
+        super().__init__(knobs=knobs, **kwargs)
 
     @property
     def overlap_state(self) -> OverlapState | None:
@@ -246,7 +270,7 @@ class _OnebitAdamMixin(_OnebitStrategyMixin):
         super().setup(trainer)
         if self._overlap_state is not None and self._onebit is not None:
             try:  # after the precision plugin's setup: master weights swap fp32 copies into the optimizer
-                check_trains_ddp_params(self.model, self._onebit)
+                check_trains_ddp_params(attached(self.model, "model"), self._onebit)
             except ValueError as exc:
                 raise ValueError(f"{type(self).__name__}: {exc}") from None
 
@@ -255,14 +279,14 @@ class _OnebitAdamMixin(_OnebitStrategyMixin):
             return super()._register_ddp_hooks()
         self._overlap_state = OverlapState()  # averages like DDP until the optimizer is bound
         self._switch = self._overlap_state.allreduce
-        self.model.register_comm_hook(self._overlap_state, onebit_overlap_hook)
+        ddp_model(self.model).register_comm_hook(self._overlap_state, onebit_overlap_hook)
         return None
 
     def setup_optimizers(self, trainer: Any) -> None:
         super().setup_optimizers(trainer)
         if self._overlap_state is not None:
             try:
-                bind_overlap(self._overlap_state, self.model, self._onebit, self._overlap_unit_mb)
+                bind_overlap(self._overlap_state, ddp_model(self.model), self._onebit, self._overlap_unit_mb)
             except ValueError as exc:
                 raise ValueError(f"{type(self).__name__}: {exc}") from None
 
@@ -305,8 +329,9 @@ class _OnebitLambMixin(_OnebitStrategyMixin):
     optimizer's 1-bit momentum allreduce. Converts ``lightning_optim.Lamb``/``FusedLamb``.
 
     Args:
-        freeze_step, coeff_beta, factor_max, factor_min, factor_threshold, auto_mask: ``OnebitLamb``'s
-            (its defaults when None).
+        freeze_step, coeff_beta, factor_max, factor_min, factor_threshold, auto_mask, auto_freeze_window,
+            auto_freeze_tolerance, auto_freeze_max: ``OnebitLamb``'s (its defaults when None; ``freeze_step="auto"``
+            as :class:`OnebitAdamStrategy`).
         timeout, telemetry, hierarchical, **kwargs: as :class:`OnebitAdamStrategy`.
     """
 
@@ -320,8 +345,13 @@ class _OnebitLambMixin(_OnebitStrategyMixin):
         factor_min: float | None = None,
         factor_threshold: float | None = None,
         auto_mask: bool | float | None = None,
+        auto_freeze_window: int | None = None,
+        auto_freeze_tolerance: float | None = None,
+        auto_freeze_max: int | None = None,
         **kwargs: Any,
     ) -> None:
         knobs = dict(freeze_step=freeze_step, coeff_beta=coeff_beta, factor_max=factor_max,
-                     factor_min=factor_min, factor_threshold=factor_threshold, auto_mask=auto_mask)
+                     factor_min=factor_min, factor_threshold=factor_threshold, auto_mask=auto_mask,
+                     auto_freeze_window=auto_freeze_window, auto_freeze_tolerance=auto_freeze_tolerance,
+                     auto_freeze_max=auto_freeze_max)
         super().__init__(knobs=knobs, **kwargs)

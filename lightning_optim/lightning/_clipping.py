@@ -12,20 +12,29 @@ own gradient: there the precision plugin's own clip runs (on the fp32 masters wi
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from lightning_optim.comm.dense import agreed_norm
+from lightning_optim.lightning._bases import ParallelBase
+
+if TYPE_CHECKING:
+    from lightning_optim.onebit import OnebitOptimizer
 
 __all__ = ["_AgreedClipMixin"]
 
 
-class _AgreedClipMixin:
+class _AgreedClipMixin(ParallelBase):
     """For the 1-bit strategies; their optimizer's ``averages_local_grads`` tells the coming step's kind."""
 
     last_clip_norm: float | None = None  # the norm the last compression-stage clip used (equal on every rank)
+
+    if TYPE_CHECKING:  # each 1-bit strategy's own
+
+        @property
+        def onebit_optimizer(self) -> OnebitOptimizer | None: ...
 
     def _agree_on_clipping(self) -> None:
         """Wrap this strategy's precision plugin's ``clip_grad_by_norm`` (once; undone by ``teardown``)."""
@@ -50,9 +59,10 @@ class _AgreedClipMixin:
             self.last_clip_norm = float(norm)
             return None
 
+        # marks on the wrapper (what teardown undoes), and the wrapper set on this plugin instance only
         clip_grad_by_norm._agreed_clip_of = self  # type: ignore[attr-defined]
         clip_grad_by_norm._agreed_clip_before = vars(plugin).get("clip_grad_by_norm")  # type: ignore[attr-defined]
-        plugin.clip_grad_by_norm = clip_grad_by_norm
+        plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
 
     def _clip_norm_input(self, grads: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.Tensor]:
         """The tensors to scale and this rank's norm for ``agreed_norm`` (DDP: its gradients and their norm)."""

@@ -18,6 +18,7 @@ from typing import Any, ClassVar
 import torch
 
 from lightning_optim.comm.ddp_hooks import HookState, make_state, register_comm_hook
+from lightning_optim.lightning._bases import DDPBase, attached
 from lightning_optim.lightning._failures import DEFAULT_TIMEOUT_S, _CommFailureMixin
 from lightning_optim.lightning._hook_checkpoints import _HookCheckpointMixin
 from lightning_optim.lightning._telemetry import _ByteCountingMixin
@@ -40,7 +41,7 @@ def _communicates_itself(optimizer: torch.optim.Optimizer) -> bool:
         "lightning_optim.distributed")
 
 
-class _AfterStepMixin:
+class _AfterStepMixin(DDPBase):
     """Runs ``_after_step`` after each optimizer step, inside the byte count of that step (MRO: after
     ``_ByteCountingMixin``)."""
 
@@ -88,7 +89,7 @@ class _CommHookStrategyMixin(_ByteCountingMixin, _AfterStepMixin, _HookCheckpoin
 
     def _register_ddp_hooks(self) -> None:
         state = make_state(self.hook_name, **self._hook_kwargs)
-        register_comm_hook(self.model, state)  # any device; collective for the decentralized hook
+        register_comm_hook(attached(self.model, "model"), state)  # any device; collective for the decentralized hook
         self._hook_state = state
         self._restore_hook_state()
 
@@ -119,7 +120,8 @@ class _CommHookStrategyMixin(_ByteCountingMixin, _AfterStepMixin, _HookCheckpoin
                 raise ValueError(f"{type(self).__name__}: {type(optimizer).__name__} communicates by itself; with the "
                                  f"{self.hook_name!r} hook DDP already hands it aggregated gradients. Use a local "
                                  "optimizer (e.g. torch.optim.AdamW), or its own strategy/DDPStrategy")
-        self._trained_numel = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+        model = attached(self.model, "model")
+        self._trained_numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
 
     def comm_summary(self) -> dict[str, Any]:
         return {**super().comm_summary(), "hook": self.hook_name}
@@ -155,7 +157,7 @@ class _PowerSGDMixin(_CommHookStrategyMixin):
 
     def on_train_start(self) -> None:
         super().on_train_start()
-        state, trainer = self._hook_state, self.lightning_module.trainer
+        state, trainer = self._hook_state, attached(self.lightning_module, "lightning_module").trainer
         total = trainer.estimated_stepping_batches
         if state is None or self.global_rank != 0 or not math.isfinite(total):
             return
@@ -215,7 +217,7 @@ class _SignSGDMixin(_CommHookStrategyMixin):
         error_feedback, timeout, telemetry, **kwargs: as :class:`TopKStrategy`.
     """
 
-    hook_name = "signsgd"
+    hook_name = "sign_sgd"
 
     def __init__(self, majority_vote: bool = False, error_feedback: bool = True, **kwargs: Any) -> None:
         super().__init__(hook_kwargs=dict(majority_vote=majority_vote, error_feedback=error_feedback), **kwargs)
@@ -264,6 +266,29 @@ class _DecentralizedMixin(_CommHookStrategyMixin):
         super().__init__(hook_kwargs=dict(neighbors=neighbors, weights=weights, consensus_every=consensus_every,
                                           by_layer=by_layer), **kwargs)
         self.consensus: tuple[int, float] | None = None  # (gossip round, consensus distance), the latest
+
+    def check_world(self, processes_per_node: int, num_nodes: int) -> None:
+        from collections.abc import Sequence
+
+        from lightning_optim.comm.topology import Topology, parse_name
+
+        world, spec = processes_per_node * num_nodes, self._hook_kwargs["neighbors"]
+        weights = self._hook_kwargs["weights"] or "uniform"
+        try:
+            if spec is None or isinstance(spec, str):
+                parse_name("ring" if spec is None else spec, world, weights)
+            elif isinstance(spec, Topology):
+                if spec.world_size != world:
+                    raise ValueError(f"neighbors: the Topology has {spec.world_size} ranks, the world {world}")
+            elif spec and all(isinstance(row, Sequence) and not isinstance(row, str) for row in spec):  # all ranks
+                if len(spec) != world:
+                    raise ValueError(f"neighbors: one list per rank, {world} ranks, got {len(spec)} lists")
+                Topology.from_neighbors(spec, weights)
+            else:  # one rank's own list, the same on every rank here
+                Topology.from_neighbors([spec] * world, weights)
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"{type(self).__name__}: {exc} (a world of {world} ranks)") from None
+        super().check_world(processes_per_node, num_nodes)
 
     def _telemetry_callbacks(self) -> list[type]:
         return [*super()._telemetry_callbacks(), self.consensus_callback_class]

@@ -14,11 +14,12 @@ from typing import Any
 import torch
 
 from lightning_optim.comm import SwitchableAllreduceState, register_switchable_allreduce
+from lightning_optim.lightning._bases import DDPBase
 
 __all__ = ["_SwitchableAllreduceMixin"]
 
 
-class _SwitchableAllreduceMixin:
+class _SwitchableAllreduceMixin(DDPBase):
     """For ``class X(_SwitchableAllreduceMixin, DDPStrategy)``; reads ``self.model`` only."""
 
     _switch: SwitchableAllreduceState | None = None

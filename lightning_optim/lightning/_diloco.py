@@ -5,16 +5,23 @@ optimizer on its own gradients), with the optimizer of ``configure_optimizers`` 
 :class:`lightning_optim.DiLoCo`: every ``sync_every`` inner steps the ranks average their pseudo-gradients
 :math:`\Delta_r = \theta_g - \theta_r` and take one outer Nesterov step together (equations:
 ``lightning_optim/distributed/diloco.py``). Between synchronisations nothing is sent. No math here.
+
+The ends of a fit: at its start rank 0 warns when no synchronisation falls within it (``max_steps`` shorter
+than ``sync_every``); at its end (``on_train_end``, after the callbacks' checkpoints) ``DiLoCo.finish`` takes
+the last synchronisation (``final_sync=True``) or warns that the ranks end apart.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import math
+from typing import Any, ClassVar
 
+from lightning_optim.comm.stats import comm_stats
 from lightning_optim.distributed.diloco import check_diloco_arguments
 from lightning_optim.distributed.diloco_exchange import resolve_compressor
+from lightning_optim.lightning._bases import attached
 from lightning_optim.lightning._comm_hook_strategies import _NO_BUFFER_SYNC, _CommHookStrategyMixin
-from lightning_optim.lightning.convert import retarget_schedulers
+from lightning_optim.onebit.convert import retarget_schedulers
 
 __all__ = ["_DiLoCoMixin", "_StreamingDiLoCoMixin"]
 
@@ -33,6 +40,9 @@ class _DiLoCoMixin(_CommHookStrategyMixin):
         mixing: alpha in [0, 1] of the overlapped merge (None: 0.5 with overlap; only with overlap).
         compressor: None, "int8", "int4", "onebit", "sign", "topk", "powersgd" or a Compressor (error feedback
             per rank).
+        final_sync: a fit that ends between synchronisations takes one more (True, the default: every rank ends
+            with the same model; the checkpoints written during the fit hold the state before it and resume
+            bitwise), or ends with each rank's own params and a warning (False). See ``lightning_optim.DiLoCo``.
         timeout, telemetry: as :class:`PowerSGDStrategy`.
         **kwargs: ``DDPStrategy`` arguments; buffers stay each rank's own (no broadcast at every forward).
 
@@ -49,17 +59,18 @@ class _DiLoCoMixin(_CommHookStrategyMixin):
     _per_rank_params = True
     _grad_scaler_refusal = ("lets each rank skip a step alone on an overflow, but DiLoCo's ranks synchronise after "
                             "the same number of steps (a skipped step on one rank would desynchronise them)")
-    _defaults: dict[str, Any] = {"fragments": 1, "overlap": False}
+    _defaults: ClassVar[dict[str, Any]] = {"fragments": 1, "overlap": False}
 
     def __init__(self, sync_every: int = 100, outer_lr: float = 0.7, outer_momentum: float = 0.9,
                  nesterov: bool = True, fragments: int | None = None, overlap: bool | None = None,
-                 mixing: float | None = None, compressor: Any = None, **kwargs: Any) -> None:
+                 mixing: float | None = None, compressor: Any = None, final_sync: bool = True,
+                 **kwargs: Any) -> None:
         name = type(self).__name__
         fragments = self._defaults["fragments"] if fragments is None else fragments
         overlap = self._defaults["overlap"] if overlap is None else overlap
         try:  # DiLoCo's own checks (those that need no params), before Lightning builds anything
             settings = check_diloco_arguments(sync_every, fragments, outer_lr, outer_momentum, nesterov, overlap,
-                                              mixing)
+                                              mixing, final_sync)
             resolve_compressor(compressor)
         except (TypeError, ValueError) as exc:
             raise type(exc)(f"{name}: {exc}") from None
@@ -68,6 +79,7 @@ class _DiLoCoMixin(_CommHookStrategyMixin):
         super().__init__(hook_kwargs={}, **kwargs)
         self._diloco_kwargs = {**settings, "mixing": mixing, "compressor": compressor}
         self.diloco: Any = None
+        self.final_sync_bytes = 0  # what the last synchronisation at the end of the fit sent
 
     def _step_skips_ddp_allreduce(self) -> bool:
         return True
@@ -78,7 +90,8 @@ class _DiLoCoMixin(_CommHookStrategyMixin):
 
         name = type(self).__name__
         if len(self.optimizers) != 1:
-            raise ValueError(f"{name} needs exactly one optimizer from configure_optimizers, got {len(self.optimizers)}")
+            raise ValueError(
+                f"{name} needs exactly one optimizer from configure_optimizers, got {len(self.optimizers)}")
         inner = getattr(self.optimizers[0], "_optimizer", self.optimizers[0])
         try:
             self.diloco = DiLoCo(inner, **self._diloco_kwargs)
@@ -87,10 +100,30 @@ class _DiLoCoMixin(_CommHookStrategyMixin):
         retarget_schedulers([config.scheduler for config in self.lr_scheduler_configs], inner, self.diloco)
         self.optimizers = [self.diloco]
 
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        trainer = attached(self.lightning_module, "lightning_module").trainer
+        total = trainer.estimated_stepping_batches
+        if self.diloco is not None and math.isfinite(total):  # every rank (rank 0 warns)
+            last = self.diloco.inner_steps + max(0, int(total) - trainer.global_step)
+            self.diloco.warn_if_no_sync(last, type(self).__name__)
+
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        if self.diloco is None:
+            return
+        before = comm_stats().copy()
+        self.diloco.finish(type(self).__name__)  # collective with final_sync: every rank ends its fit here
+        sent = comm_stats() - before
+        self.final_sync_bytes = sent.bytes_sent
+        self.comm_totals["bytes_sent"] += sent.bytes_sent  # sent during the fit, after its last step
+        self.comm_totals["inter_node_bytes"] += sent.inter_node_bytes
+
     def comm_summary(self) -> dict[str, Any]:
         d = self.diloco
         extra = {} if d is None else {"sync_every": d.sync_every, "fragments": d.fragments, "overlap": d.overlap,
-                                      "compressor": d.compressor_name}
+                                      "compressor": d.compressor_name, "final_sync": d.final_sync,
+                                      "final_sync_bytes": self.final_sync_bytes}
         return {**super().comm_summary(), **extra}
 
 
@@ -100,4 +133,4 @@ class _StreamingDiLoCoMixin(_DiLoCoMixin):
     (``overlap=True`` by default) - each exchange carries about 1/F of the model. Arguments: as
     :class:`DiLoCoStrategy`; ``compressor="int4"`` gives the paper's 4-bit outer gradients."""
 
-    _defaults = {"fragments": 4, "overlap": True}
+    _defaults: ClassVar[dict[str, Any]] = {"fragments": 4, "overlap": True}

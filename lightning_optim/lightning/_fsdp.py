@@ -37,11 +37,13 @@ from torch import nn
 from lightning_optim.catalogue import OPTIMIZERS
 from lightning_optim.comm import set_collective_timeout
 from lightning_optim.comm.stats import ring_allreduce_bytes
+from lightning_optim.lightning._bases import ModelParallelBase, attached
 from lightning_optim.lightning._clipping import _AgreedClipMixin
 from lightning_optim.lightning._failures import DEFAULT_TIMEOUT_S, _CommFailureMixin
 from lightning_optim.lightning._telemetry import _ByteCountingMixin
-from lightning_optim.lightning.convert import retarget_schedulers, to_onebit
 from lightning_optim.onebit import OnebitAdam, OnebitOptimizer
+from lightning_optim.onebit.auto_freeze import AutoFreezeMixin
+from lightning_optim.onebit.convert import retarget_schedulers, to_onebit
 from lightning_optim.onebit.fsdp import OnebitFSDP, install
 from lightning_optim.onebit.fsdp_checkpoint import has_rank_state, load_hsdp_adam_state, load_rank_state, rank_state
 from lightning_optim.onebit.fsdp_grads import FSDPModule
@@ -52,15 +54,16 @@ __all__ = ["_OnebitFSDPMixin"]
 _OPTIMIZERS = ("onebit_adam", "zero_one_adam")
 
 
-class _OnebitFSDPMixin(_AgreedClipMixin, _ByteCountingMixin, _CommFailureMixin):
+class _OnebitFSDPMixin(_AgreedClipMixin, _ByteCountingMixin, _CommFailureMixin, ModelParallelBase):
     """HSDP (FSDP2 on a replicate x shard mesh) + 1-bit Adam across the replicas.
 
     Args:
         replicate_size: ranks that hold the same shard (``"auto"``: ``num_nodes``); must divide the world
             and leave a shard group of at least 2.
         optimizer: ``"onebit_adam"`` or ``"zero_one_adam"``: what ``configure_optimizers``' Adam/AdamW becomes.
-        freeze_step, auto_mask: ``OnebitAdam``'s; var_freeze_step, var_update_scaler, local_step_scaler,
-            local_step_clipper, auto_mask: ``ZeroOneAdam``'s (None: the optimizer's default).
+        freeze_step, auto_mask, auto_freeze_window, auto_freeze_tolerance, auto_freeze_max: ``OnebitAdam``'s;
+            var_freeze_step, var_update_scaler, local_step_scaler, local_step_clipper, auto_mask: ``ZeroOneAdam``'s
+            (None: the optimizer's default).
         timeout: collective timeout in seconds. telemetry: log ``comm/*`` per step (the cross-replica
             bytes: HSDP's all-reduce in warmup, the 1-bit exchange after; the shard group's
             reduce-scatter/all-gather, equal in both stages, are not counted).
@@ -77,11 +80,14 @@ class _OnebitFSDPMixin(_AgreedClipMixin, _ByteCountingMixin, _CommFailureMixin):
                  var_freeze_step: int | None = None, var_update_scaler: int | None = None,
                  local_step_scaler: int | None = None, local_step_clipper: int | None = None, *,
                  timeout: float | timedelta = DEFAULT_TIMEOUT_S, telemetry: bool = True,
-                 save_distributed_checkpoint: bool = True, process_group_backend: str | None = None) -> None:
+                 save_distributed_checkpoint: bool = True, process_group_backend: str | None = None,
+                 auto_freeze_window: int | None = None, auto_freeze_tolerance: float | None = None,
+                 auto_freeze_max: int | None = None) -> None:
         name = type(self).__name__
-        knobs = dict(freeze_step=freeze_step, auto_mask=auto_mask, var_freeze_step=var_freeze_step,
+        knobs: dict[str, Any] = dict(freeze_step=freeze_step, auto_mask=auto_mask, var_freeze_step=var_freeze_step,
                      var_update_scaler=var_update_scaler, local_step_scaler=local_step_scaler,
-                     local_step_clipper=local_step_clipper)
+                     local_step_clipper=local_step_clipper, auto_freeze_window=auto_freeze_window,
+                     auto_freeze_tolerance=auto_freeze_tolerance, auto_freeze_max=auto_freeze_max)
         knobs = {k: v for k, v in knobs.items() if v is not None}
         if optimizer not in _OPTIMIZERS:
             raise ValueError(f"{name}: optimizer must be one of {list(_OPTIMIZERS)}, got {optimizer!r} (OnebitLamb's "
@@ -122,9 +128,16 @@ class _OnebitFSDPMixin(_AgreedClipMixin, _ByteCountingMixin, _CommFailureMixin):
                 "optimizer": type(self._onebit).__name__ if self._onebit is not None else None}
 
     # ------------------------------------------------------------------ the mesh
+    def check_world(self, processes_per_node: int, num_nodes: int) -> None:
+        self._mesh_for(processes_per_node * num_nodes, num_nodes)
+        super().check_world(processes_per_node, num_nodes)
+
     def _mesh_shape(self) -> tuple[int, int]:
-        world, name = self.world_size, type(self).__name__
-        replicas = self.num_nodes if self._replicate_size == "auto" else self._replicate_size
+        return self._mesh_for(self.world_size, self.num_nodes)
+
+    def _mesh_for(self, world: int, num_nodes: int) -> tuple[int, int]:
+        name = type(self).__name__
+        replicas = num_nodes if self._replicate_size == "auto" else self._replicate_size
         if replicas < 2 or world % replicas or world // replicas < 2:
             raise ValueError(
                 f"{name}: replicate_size={self._replicate_size!r} gives {replicas} replica(s) of a world of {world} "
@@ -140,7 +153,7 @@ class _OnebitFSDPMixin(_AgreedClipMixin, _ByteCountingMixin, _CommFailureMixin):
 
         self._device_mesh = init_device_mesh(self.root_device.type, self._mesh_shape(),
                                              mesh_dim_names=("replicate", "shard"))
-        self.lightning_module._device_mesh = self._device_mesh
+        attached(self.lightning_module, "lightning_module")._device_mesh = self._device_mesh
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
@@ -156,11 +169,11 @@ class _OnebitFSDPMixin(_AgreedClipMixin, _ByteCountingMixin, _CommFailureMixin):
                                                    for cb in trainer.callbacks):
             trainer.callbacks.append(self.telemetry_callback_class())
         # ModelParallelStrategy.setup, which needs a configure_model that shards; here sharding is automatic
-        self.accelerator.setup(trainer)
+        attached(self.accelerator, "accelerator").setup(trainer)
         self._shard_unless_sharded()
-        _materialize = getattr(sys.modules[_model_parallel_base(self).__module__], "_materialize_distributed_module")
+        _materialize = sys.modules[_model_parallel_base(self).__module__]._materialize_distributed_module
         _materialize(self.model, self.root_device)
-        self.model = self.precision_plugin.convert_module(self.model)
+        self.model = self.precision_plugin.convert_module(attached(self.model, "model"))
         self.model_to_device()
         self.barrier()
         if fitting:
@@ -173,7 +186,7 @@ class _OnebitFSDPMixin(_AgreedClipMixin, _ByteCountingMixin, _CommFailureMixin):
     def _shard_unless_sharded(self) -> None:
         from torch.distributed.fsdp import fully_shard
 
-        module = self.lightning_module
+        module = attached(self.lightning_module, "lightning_module")
         if any(isinstance(m, FSDPModule) for m in module.modules()):
             return  # configure_model sharded it
         if any(True for _ in module.parameters(recurse=False)):
@@ -192,7 +205,8 @@ class _OnebitFSDPMixin(_AgreedClipMixin, _ByteCountingMixin, _CommFailureMixin):
         super().setup_optimizers(trainer)
         name = type(self).__name__
         if len(self.optimizers) != 1:
-            raise ValueError(f"{name} needs exactly one optimizer from configure_optimizers, got {len(self.optimizers)}")
+            raise ValueError(
+                f"{name} needs exactly one optimizer from configure_optimizers, got {len(self.optimizers)}")
         old = getattr(self.optimizers[0], "_optimizer", self.optimizers[0])
         if isinstance(old, OnebitOptimizer):
             new = old
@@ -203,24 +217,27 @@ class _OnebitFSDPMixin(_AgreedClipMixin, _ByteCountingMixin, _CommFailureMixin):
                 raise type(exc)(f"{name}: {exc}") from None
             retarget_schedulers([config.scheduler for config in self.lr_scheduler_configs], old, new)
             self.optimizers = [new]
+        module = attached(self.lightning_module, "lightning_module")
         try:
-            self._handle = install(self.lightning_module, new, forward_hook=False)
+            self._handle = install(module, new, forward_hook=False)
         except (TypeError, ValueError) as exc:
             raise type(exc)(f"{name}: {exc}") from None
         self._onebit = new
-        self._trained_numel = sum(local_tensor(p).numel() for p in self.lightning_module.parameters()
-                                  if p.requires_grad)
+        self._trained_numel = sum(local_tensor(p).numel() for p in module.parameters() if p.requires_grad)
 
     def _fp32_step_bytes(self) -> int:
         """HSDP's full-precision all-reduce of this rank's shard over its replicas (what 1-bit replaces)."""
-        return ring_allreduce_bytes(self._trained_numel, self._device_mesh.size(0))
+        return ring_allreduce_bytes(self._trained_numel, attached(self._device_mesh, "device_mesh").size(0))
 
     def on_train_start(self) -> None:
         super().on_train_start()
-        trainer, opt = self.lightning_module.trainer, self._onebit
+        trainer, opt = attached(self.lightning_module, "lightning_module").trainer, self._onebit
         total = trainer.estimated_stepping_batches
-        if opt is not None and math.isfinite(total) and hasattr(opt, "limit_auto_freeze"):
-            opt.limit_auto_freeze(opt.global_step + max(0, int(total) - trainer.global_step))
+        if opt is None or not math.isfinite(total):
+            return
+        run = opt.global_step + max(0, int(total) - trainer.global_step)
+        if run >= 1 and isinstance(opt, AutoFreezeMixin):
+            opt.limit_auto_freeze(run)
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._handle is not None:
@@ -231,11 +248,11 @@ class _OnebitFSDPMixin(_AgreedClipMixin, _ByteCountingMixin, _CommFailureMixin):
         return self._onebit is not None and not self._onebit.needs_averaged_grads
 
     def _clip_norm_input(self, grads: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """Local shards and :math:`\\sqrt{S}\\lVert\\mathrm{shard}\\rVert`: ``agreed_norm``'s mean over the world is then
-        the mean over the replicas of their shard means' squared norms."""
+        """Local shards and :math:`\\sqrt{S}\\lVert\\mathrm{shard}\\rVert`: ``agreed_norm``'s mean over the world
+        is then the mean over the replicas of their shard means' squared norms."""
         local = [local_tensor(g) for g in grads]
         norm = nn.utils.get_total_norm(local) if local else torch.zeros(())
-        return local, norm * math.sqrt(self._device_mesh.size(1))
+        return local, norm * math.sqrt(attached(self._device_mesh, "device_mesh").size(1))
 
     def teardown(self) -> None:
         if self._handle is not None:
@@ -245,18 +262,20 @@ class _OnebitFSDPMixin(_AgreedClipMixin, _ByteCountingMixin, _CommFailureMixin):
 
     # ------------------------------------------------------------------ checkpoints
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        return rank_state(getattr(optimizer, "_optimizer", optimizer), self.lightning_module)
+        module = attached(self.lightning_module, "lightning_module")
+        return rank_state(getattr(optimizer, "_optimizer", optimizer), module)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(checkpoint_path))
-        module = self.lightning_module
+        module = attached(self.lightning_module, "lightning_module")
         fabric = sys.modules[_model_parallel_base(self).__module__]
         metadata = fabric._load_checkpoint(path=path, state={"state_dict": module}, strict=module.strict_loading,
                                            weights_only=weights_only)
+        optimizer = attached(self._onebit, "the 1-bit optimizer")
         if has_rank_state(path, "optimizer_0"):
-            load_rank_state(self._onebit, module, path, "optimizer_0")
+            load_rank_state(optimizer, module, path, "optimizer_0")
         else:  # plain HSDP (ModelParallelStrategy with Adam/AdamW): torch's sharded moments
-            load_hsdp_adam_state(self._onebit, module, path, "optimizer_0")
+            load_hsdp_adam_state(optimizer, module, path, "optimizer_0")
         metadata.pop("optimizer_states", None)
         return metadata
 

@@ -14,11 +14,17 @@ from __future__ import annotations
 import warnings
 from typing import Any, ClassVar
 
+from lightning_optim.catalogue import STRATEGY_ALIASES
 from lightning_optim.lightning._rank_checkpoints import _RestoresPerRankModel, rank_file
 
 __all__ = ["HOOK_CHECKPOINT_KEY", "_HookCheckpointMixin"]
 
 HOOK_CHECKPOINT_KEY = "lightning_optim_comm_hook"
+
+
+def _current(hook: object) -> object:
+    """A hook name as saved, under its current name (a checkpoint of ``"signsgd"`` is ``"sign_sgd"``'s)."""
+    return STRATEGY_ALIASES.get(hook, hook) if isinstance(hook, str) else hook
 
 
 class _HookCheckpointMixin(_RestoresPerRankModel):
@@ -63,7 +69,7 @@ class _HookCheckpointMixin(_RestoresPerRankModel):
         meta, world, rank = checkpoint.get(HOOK_CHECKPOINT_KEY), self.world_size, self.global_rank
         if not isinstance(meta, dict):
             return checkpoint
-        if meta.get("hook") != self.hook_name or meta.get("world_size") != world:
+        if _current(meta.get("hook")) != self.hook_name or meta.get("world_size") != world:
             if rank == 0:
                 self._restart_warning(f"the checkpoint was saved with hook {meta.get('hook')!r} on "
                                       f"{meta.get('world_size')} ranks, training resumes with {self.hook_name!r} on "
@@ -77,7 +83,7 @@ class _HookCheckpointMixin(_RestoresPerRankModel):
                 payload = self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
             except FileNotFoundError:
                 payload = None
-            if not payload or (payload.get("rank"), payload.get("world_size"), payload.get("hook")) != (
+            if not payload or (payload.get("rank"), payload.get("world_size"), _current(payload.get("hook"))) != (
                     rank, world, self.hook_name):
                 self._restart_warning(f"[rank {rank}] {path} is missing or belongs to another rank")
                 return checkpoint

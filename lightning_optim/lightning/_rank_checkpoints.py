@@ -16,6 +16,8 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+from lightning_optim.lightning._bases import DDPBase, attached
+
 __all__ = ["CHECKPOINT_KEY", "_PerRankCheckpointMixin", "rank_file"]
 
 CHECKPOINT_KEY = "lightning_optim_onebit"  # in the main checkpoint: how the per-rank files were written
@@ -26,7 +28,7 @@ def rank_file(checkpoint_path: Any, rank: int) -> str:
     return f"{checkpoint_path}.rank{rank}.pt"
 
 
-class _RestoresPerRankModel:
+class _RestoresPerRankModel(DDPBase):
     """After the optimizer states load, this rank's own params (saved when they differ per rank) come back:
     DDP broadcast rank 0's when it wrapped the model. Set ``_per_rank_model_state`` while loading."""
 
@@ -35,7 +37,7 @@ class _RestoresPerRankModel:
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         super().load_optimizer_state_dict(checkpoint)
         if self._per_rank_model_state is not None:
-            self.lightning_module.load_state_dict(self._per_rank_model_state)
+            attached(self.lightning_module, "lightning_module").load_state_dict(self._per_rank_model_state)
             self._per_rank_model_state = None
 
 

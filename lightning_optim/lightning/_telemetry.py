@@ -11,13 +11,14 @@ from typing import Any
 
 from lightning_optim.comm import comm_stats
 from lightning_optim.comm.stats import CommStats, ring_allreduce_bytes
+from lightning_optim.lightning._bases import ParallelBase
 
 __all__ = ["_ByteCountingMixin", "_CommTelemetryMixin"]
 
 _TOTALS = ("steps", "steps_without_ddp_allreduce", "bytes_sent", "fp32_bytes", "inter_node_bytes")
 
 
-class _ByteCountingMixin:
+class _ByteCountingMixin(ParallelBase):
     """For ``class X(_ByteCountingMixin, DDPStrategy)``; call :meth:`_start_counting` when a fit starts."""
 
     _trained_numel: int = 0

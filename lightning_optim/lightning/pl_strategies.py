@@ -26,11 +26,11 @@ class ConsensusTelemetry(_ConsensusTelemetryMixin, Callback):
 
 
 # One class per catalogue strategy: OnebitAdamStrategy, ..., PowerSGDStrategy, ... (lightning_optim.lightning._flavour).
-_BASES = {"DDPStrategy": DDPStrategy, "ModelParallelStrategy": ModelParallelStrategy}
+_BASES: dict[str, type] = {"DDPStrategy": DDPStrategy, "ModelParallelStrategy": ModelParallelStrategy}
 _CLASSES = build(_BASES, CommTelemetry, ConsensusTelemetry, __name__)
 globals().update(_CLASSES)
 STRATEGIES = {name: _CLASSES[entry.export] for name, entry in _CATALOGUE.items()}  # the catalogue's names
-__all__ = [*_CLASSES, "CommTelemetry", "ConsensusTelemetry", "STRATEGIES"]
+__all__ = [*_CLASSES, "CommTelemetry", "ConsensusTelemetry", "STRATEGIES"]  # noqa: PLE0604 - built from the catalogue
 
 # Importing this module imported pytorch_lightning: make sure the names are registered there.
 _registry.register("pytorch_lightning")

@@ -132,7 +132,10 @@ class MasterWeightsPrecision(_LowPrecisionModule):
             tensor = self.loss_scaler.scale(tensor)
         return super().pre_backward(tensor, module)
 
-    def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
+    # lightning.pytorch's Precision.optimizer_step signature, itself an incompatible override of fabric's
+    def optimizer_step(  # type: ignore[override]
+        self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any
+    ) -> Any:
         if self.masters is None:
             raise RuntimeError("MasterWeightsPrecision: optimizer_step before connect (the masters do not exist yet)")
         closure_result = closure()
@@ -182,16 +185,19 @@ class MasterWeightsPrecision(_LowPrecisionModule):
 
     def _load(self, state: dict[str, Any]) -> None:
         # every part checked before any is loaded: a bad masters entry must not leave the scale changed
-        scaler_state = state.get("loss_scaler") if self.loss_scaler is not None else None
-        if scaler_state is not None:
-            self.loss_scaler.check_state_dict(scaler_state, "loss_scaler")
+        scaler, masters = self.loss_scaler, self.masters
+        if masters is None:  # load_state_dict keeps the state until connect has made the masters
+            raise RuntimeError("MasterWeightsPrecision: loading a state before the masters exist")
+        scaler_state = state.get("loss_scaler") if scaler is not None else None
+        if scaler is not None and scaler_state is not None:
+            scaler.check_state_dict(scaler_state, "loss_scaler")
         if "masters" in state:
-            self.masters.check_state_dict(state["masters"], "masters")
+            masters.check_state_dict(state["masters"], "masters")
         skipped = check_count("skipped_steps", state.get("skipped_steps", 0))
-        if scaler_state is not None:
-            self.loss_scaler.load_state_dict(scaler_state)
+        if scaler is not None and scaler_state is not None:
+            scaler.load_state_dict(scaler_state)
         if "masters" in state:
-            self.masters.load_state_dict(state["masters"])
+            masters.load_state_dict(state["masters"])
         self.skipped_steps = skipped
 
 

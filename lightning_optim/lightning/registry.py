@@ -1,34 +1,32 @@
-"""Register the 1-bit strategy names in Lightning's strategy registries, without importing Lightning.
+"""Register the catalogue's strategy names in Lightning's strategy registries.
 
-Lightning 2.x has no plugin discovery for strategies, so ``import lightning_optim`` calls
-:func:`install`: for each of ``lightning.pytorch`` and ``pytorch_lightning``
-
-* already imported: the names are registered at once;
-* not imported yet: a finder on ``sys.meta_path`` waits for that package's import to finish and
-  registers then (so ``import lightning_optim`` itself stays cheap: no Lightning import);
-* not installed: nothing happens.
+Lightning 2.x has no plugin discovery for strategies: a name is known to ``Trainer(strategy=...)`` only once
+it is in ``StrategyRegistry``. So ``import lightning_optim`` calls :func:`register_installed`, which registers
+the names in ``lightning.pytorch`` and in ``pytorch_lightning``, each where it is installed (importing it: the
+price of ``Trainer(strategy="onebit_adam")`` working whatever order a script imports things in; without
+Lightning installed nothing is imported and nothing happens). Registering is the registry's own public
+``register``: no attribute of any Lightning module changes and no import hook is installed.
 
 Names: the strategies of :mod:`lightning_optim.catalogue` (``onebit_adam``, ``zero_one_adam``,
-``onebit_lamb``; the comm-hook ones ``powersgd``, ``topk``, ``randomk``, ``signsgd``,
-``decentralized``). A registration failure never breaks
-the user's import of Lightning; it becomes one warning. :func:`register` does the work and can
-be called by hand.
+``onebit_lamb``; the comm-hook ones ``powersgd``, ``topk``, ...), and the old names of
+:data:`~lightning_optim.catalogue.STRATEGY_ALIASES` (``signsgd``: the same strategy after a FutureWarning). A
+registration failure never breaks the user's import; it becomes one warning. :func:`register` does the work for
+one package and can be called by hand.
 """
 
 from __future__ import annotations
 
 import importlib
-import importlib.abc
 import importlib.util
 import sys
 import threading
 import warnings
-from types import ModuleType
+from collections.abc import Callable
 from typing import Any
 
-from lightning_optim.catalogue import STRATEGIES
+from lightning_optim.catalogue import STRATEGIES, STRATEGY_ALIASES, strategy_name
 
-__all__ = ["install", "register", "NAMES"]
+__all__ = ["register_installed", "register", "NAMES"]
 
 NAMES = tuple(STRATEGIES)
 # Lightning package -> module holding our strategy classes for it
@@ -51,7 +49,30 @@ def register(package: str = "lightning.pytorch") -> list[str]:
                 continue
             registry.register(name, cls, description=STRATEGIES[name].description, override=True)
             added.append(name)
+        for old, new in STRATEGY_ALIASES.items():  # old names: the same class, after a FutureWarning
+            factory = _renamed_factory(package, old)
+            entry = dict.get(registry, old) if isinstance(registry, dict) else None
+            if isinstance(entry, dict) and entry.get("strategy") is factory:
+                continue
+            registry.register(old, factory, description=f"deprecated name of {new!r}: {STRATEGIES[new].description}",
+                              override=True)
+            added.append(old)
         return added
+
+
+_factories: dict[tuple[str, str], Callable[..., Any]] = {}
+
+
+def _renamed_factory(package: str, old: str) -> Callable[..., Any]:
+    """What the registry builds for an old name: the new name's class, after one FutureWarning (one function per
+    package and name, so registering twice changes nothing)."""
+    if (package, old) not in _factories:
+        def build(**kwargs: Any) -> Any:
+            new = strategy_name(old)  # warns
+            return importlib.import_module(_FLAVOURS[package]).STRATEGIES[new](**kwargs)
+
+        _factories[(package, old)] = build
+    return _factories[(package, old)]
 
 
 def _register_quietly(package: str) -> None:
@@ -64,60 +85,13 @@ def _register_quietly(package: str) -> None:
         warnings.warn(f"lightning_optim: could not register the 1-bit strategies in {package}: {exc!r}", stacklevel=2)
 
 
-class _RegisteringLoader(importlib.abc.Loader):
-    """Runs the real loader, then registers; puts the real loader back on the module."""
-
-    def __init__(self, inner: Any, package: str) -> None:
-        self._inner = inner
-        self._package = package
-
-    def create_module(self, spec: Any) -> ModuleType | None:
-        return self._inner.create_module(spec)
-
-    def exec_module(self, module: ModuleType) -> None:
-        module.__loader__ = self._inner
-        if module.__spec__ is not None:
-            module.__spec__.loader = self._inner
-        self._inner.exec_module(module)
-        _register_quietly(self._package)
-
-    def __getattr__(self, name: str) -> Any:  # get_source, get_resource_reader, is_package...
-        return getattr(self._inner, name)
-
-
-class _AfterImportFinder(importlib.abc.MetaPathFinder):
-    """Finds nothing itself: wraps the loader of the watched Lightning packages."""
-
-    def __init__(self) -> None:
-        self._busy: set[str] = set()
-
-    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
-        if fullname not in _FLAVOURS or fullname in self._busy:
-            return None
-        self._busy.add(fullname)
+def register_installed() -> None:
+    """Register the names in every installed Lightning package (idempotent)."""
+    for package in _FLAVOURS:
+        top_level = package.split(".", 1)[0]
         try:
-            spec = importlib.util.find_spec(fullname)  # the other finders (we return None while busy)
+            installed = importlib.util.find_spec(top_level) is not None
         except (ImportError, ValueError):
-            spec = None
-        finally:
-            self._busy.discard(fullname)
-        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return None
-        spec.loader = _RegisteringLoader(spec.loader, fullname)
-        return spec
-
-
-_finder: _AfterImportFinder | None = None
-
-
-def install() -> None:
-    """Register now where Lightning is imported, or right after its import otherwise (idempotent)."""
-    global _finder
-    with _lock:
-        if _finder is None:
-            _finder = _AfterImportFinder()
-            sys.meta_path.insert(0, _finder)
-        for package in _FLAVOURS:
-            module = sys.modules.get(package)
-            if module is not None and getattr(module.__spec__, "_initializing", False) is False:
-                _register_quietly(package)
+            installed = False
+        if installed:
+            _register_quietly(package)

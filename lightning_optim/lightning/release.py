@@ -89,8 +89,9 @@ class GradientRelease(Callback):
             prepare_for_gradient_release(model if self._ddp else pl_module, optimizer)
         except RuntimeError as exc:
             if "register_comm_hook" in str(exc) or "comm hook" in str(exc):
-                raise ValueError("GradientRelease: the DDP model already has a comm hook (DDPStrategy(ddp_comm_hook=...)); "
-                                 "gradient release steps inside its own hook, remove the other one") from exc
+                raise ValueError("GradientRelease: the DDP model already has a comm hook "
+                                 "(DDPStrategy(ddp_comm_hook=...)); gradient release steps inside its own hook, "
+                                 "remove the other one") from exc
             raise
         self._model, self._optimizer = (model if self._ddp else pl_module), optimizer
 

@@ -15,7 +15,7 @@ name               class                     converts (``configure_optimizers`` 
 Each is Lightning's ``DDPStrategy`` (gloo on CPU, NCCL on GPU, chosen by the accelerator) whose
 gradient allreduce is switched off exactly in the steps where the 1-bit optimizer communicates
 by itself. The optimizer returned by ``configure_optimizers`` is replaced by its 1-bit variant
-with the same param groups and hyper-parameters (``lightning_optim.lightning.convert``); a 1-bit
+with the same param groups and hyper-parameters (``lightning_optim.onebit.convert``); a 1-bit
 optimizer is used as is. The 1-bit arguments are strategy arguments (``None``: the optimizer's
 default); ``timeout`` (seconds, default 300) bounds every collective, so a dead or hung rank
 stops the others with an error instead of a hang; ``telemetry`` adds :class:`CommTelemetry`.
@@ -35,7 +35,7 @@ in the same ``<checkpoint>.rank<r>.pt`` files, and the same ``timeout``/``teleme
 ``powersgd``       ``PowerSGDStrategy``        torch's ``powerSGD_hook`` (rank, start iteration)
 ``topk``           ``TopKStrategy``            top-k per param with error feedback
 ``randomk``        ``RandomKStrategy``         random-k per param with error feedback
-``signsgd``        ``SignSGDStrategy``         EF-SignSGD scaled signs, or majority vote
+``sign_sgd``       ``SignSGDStrategy``         EF-SignSGD scaled signs, or majority vote
 ``fp16_compress``  ``FP16CompressStrategy``    torch's ``fp16_compress_hook`` (half of fp32 DDP's bytes)
 ``decentralized``  ``DecentralizedStrategy``   local gradients, gossip of the params after each step
 =================  ==========================  ==================================================
@@ -68,11 +68,11 @@ class ConsensusTelemetry(_ConsensusTelemetryMixin, Callback):
 
 
 # One class per catalogue strategy: OnebitAdamStrategy, ..., PowerSGDStrategy, ... (lightning_optim.lightning._flavour).
-_BASES = {"DDPStrategy": DDPStrategy, "ModelParallelStrategy": ModelParallelStrategy}
+_BASES: dict[str, type] = {"DDPStrategy": DDPStrategy, "ModelParallelStrategy": ModelParallelStrategy}
 _CLASSES = build(_BASES, CommTelemetry, ConsensusTelemetry, __name__)
 globals().update(_CLASSES)
 STRATEGIES = {name: _CLASSES[entry.export] for name, entry in _CATALOGUE.items()}  # the catalogue's names
-__all__ = [*_CLASSES, "ConsensusTelemetry", "STRATEGIES"]
+__all__ = [*_CLASSES, "ConsensusTelemetry", "STRATEGIES"]  # noqa: PLE0604 - the classes are built from the catalogue
 
 # Importing this module imported lightning.pytorch: make sure the names are registered there.
 _registry.register("lightning.pytorch")

@@ -132,7 +132,7 @@ def param_groups(model: nn.Module) -> list[dict[str, Any]]:
             no_decay.append(param)
         else:
             decay.append(param)
-    groups = [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups: list[dict[str, Any]] = [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
     return [group for group in groups if group["params"]]
 
 

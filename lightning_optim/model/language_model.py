@@ -4,7 +4,8 @@ imports Lightning; ``lightning_optim.model`` loads it on first use of the name).
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import lightning as L
 import torch
@@ -33,7 +34,7 @@ class LanguageModel(L.LightningModule):
         max_seq_len: int,
         optimizer: Callable[..., torch.optim.Optimizer],
         split_weight_decay: bool = True,
-        scheduler: Optional[dict[str, Any]] = None,
+        scheduler: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
         self.net = ByteGPT(max_seq_len=max_seq_len, **model_kwargs)

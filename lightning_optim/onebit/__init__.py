@@ -21,7 +21,7 @@ from lightning_optim.onebit.fsdp import OnebitFSDP, onebit_fsdp
 from lightning_optim.onebit.fsdp_checkpoint import load_hsdp_adam_state, load_rank_state, rank_state
 from lightning_optim.onebit.lamb import OnebitLamb
 from lightning_optim.onebit.overlap import OverlapState, onebit_overlap_hook, overlap_with_ddp
-from lightning_optim.onebit.zoadam import ZeroOneAdam
+from lightning_optim.onebit.zero_one_adam import ZeroOneAdam
 
 __all__ = ["OnebitAdam", "ZeroOneAdam", "OnebitLamb", "OnebitOptimizer", "OverlapState", "onebit_overlap_hook",
            "overlap_with_ddp", "OnebitFSDP", "onebit_fsdp", "rank_state", "load_rank_state", "load_hsdp_adam_state"]

@@ -92,8 +92,8 @@ class OnebitAdam(CompressionUnitsMixin, AutoFreezeMixin, OnebitOptimizer):
         average_grads: average full-precision gradients over ranks inside :meth:`step` when
             they are needed (see above).
         kahan_sum: Kahan-compensated updates of fp16/bf16 params (None: on for those dtypes).
-        auto_mask: True (:math:`\rho` = 1e-3), False (off) or :math:`\rho` in [0, 1). After every compressed allreduce, the
-            elements whose frozen variance is at most :math:`\rho^2` times their param's mean
+        auto_mask: True (:math:`\rho` = 1e-3), False (off) or :math:`\rho` in [0, 1). After every compressed
+            allreduce, the elements whose frozen variance is at most :math:`\rho^2` times their param's mean
             variance (gradients that were all but zero through warmup, e.g. the key part of a fused
             attention bias) get momentum 0 and stay still, instead of moving on the compression's
             +-scale noise divided by a tiny :math:`\sqrt{v}`. 0: exact zeros only. Composes with
@@ -189,7 +189,8 @@ class OnebitAdam(CompressionUnitsMixin, AutoFreezeMixin, OnebitOptimizer):
         compression units and the overlap hook need it)."""
         beta1s = {group["betas"][0] for group in self.param_groups}
         if len(beta1s) != 1:
-            raise ValueError(f"betas: per-bucket compression needs one beta1 for every param group, got {sorted(beta1s)}")
+            raise ValueError(
+                f"betas: per-bucket compression needs one beta1 for every param group, got {sorted(beta1s)}")
         return 1.0 - float(beta1s.pop())
 
     def _reads_param_grads(self, t: int) -> bool:
@@ -204,7 +205,7 @@ class OnebitAdam(CompressionUnitsMixin, AutoFreezeMixin, OnebitOptimizer):
                 self._average_(self._scratch(layout, "grad")[0])
             self._sched["variance_steps"] += 1
         elif self.uses_units:  # per DDP bucket (units.py); the overlap hook may have done some already
-            self._compress_units(layout, self._param_grads, self.momentum_weight())
+            self._compress_units(layout, self._step_param_grads(), self.momentum_weight())
         else:
             grads = self._local_grads(layout)
             beta1s = {self.param_groups[gi]["betas"][0] for gi, _ in layout.buckets}
@@ -217,8 +218,8 @@ class OnebitAdam(CompressionUnitsMixin, AutoFreezeMixin, OnebitOptimizer):
             self._mask_(layout, self._flat_views["exp_avg"])
             self._auto_mask_(layout, self._flat("exp_avg"))
         # warmup: Adam on the averaged grads; compression: the final m (as "grads", beta1 = 0), v frozen
-        grads = None if warmup else self._flat_views["exp_avg"]
-        for _, group, batch in self._batches(layout, t, grads=grads):
+        step_grads = None if warmup else self._flat_views["exp_avg"]
+        for _, group, batch in self._batches(layout, t, grads=step_grads):
             beta1, beta2 = group["betas"]
             bc1 = bc2 = 1.0
             if group["bias_correction"]:

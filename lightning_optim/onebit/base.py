@@ -34,6 +34,7 @@ from lightning_optim.onebit.layout import Layout, local_tensor
 from lightning_optim.onebit.masks import MomentumMaskMixin
 from lightning_optim.optim.adam import adam_deltas, adam_first_moment_, adam_second_moment_
 from lightning_optim.optim.base import BaseOptimizer, Batch, ParamsT
+from lightning_optim.optim.batch import TensorList
 from lightning_optim.optim.validation import (
     check_betas,
     check_flag,
@@ -109,8 +110,9 @@ class OnebitOptimizer(CommunicatingOptimizer, OnebitStateDictMixin, MomentumMask
     def _check_compat(self, cuda_aware: object, comm_backend_name: object, max_grad_norm: object) -> None:
         name = type(self).__name__
         check_flag("cuda_aware", cuda_aware)
-        if comm_backend_name not in _DEEPSPEED_BACKENDS + ("gloo",):
-            raise ValueError(f"comm_backend_name must be one of {_DEEPSPEED_BACKENDS + ('gloo',)}, got {comm_backend_name!r}")
+        backends = (*_DEEPSPEED_BACKENDS, "gloo")
+        if comm_backend_name not in backends:
+            raise ValueError(f"comm_backend_name must be one of {backends}, got {comm_backend_name!r}")
         if comm_backend_name not in ("nccl", "gloo") or cuda_aware:
             warnings.warn(
                 f"{name}: comm_backend_name={comm_backend_name!r}, cuda_aware={cuda_aware} are accepted for "
@@ -137,7 +139,8 @@ class OnebitOptimizer(CommunicatingOptimizer, OnebitStateDictMixin, MomentumMask
         params = [params] if isinstance(params, Tensor) else list(params)
         for p in params:
             if p.dtype not in SUPPORTED_DTYPES:
-                raise TypeError(f"params: {type(self).__name__} supports float32/float16/bfloat16 params, got {p.dtype}")
+                raise TypeError(
+                    f"params: {type(self).__name__} supports float32/float16/bfloat16 params, got {p.dtype}")
         mask = group.get("exp_avg_mask")
         if mask is not None:
             if not isinstance(mask, Tensor) or not mask.is_floating_point():
@@ -149,7 +152,8 @@ class OnebitOptimizer(CommunicatingOptimizer, OnebitStateDictMixin, MomentumMask
                     fits = False
                 if not fits:
                     raise ValueError(
-                        f"exp_avg_mask: shape {tuple(mask.shape)} does not broadcast to the param shape {tuple(p.shape)}"
+                        f"exp_avg_mask: shape {tuple(mask.shape)} does not broadcast to the param shape "
+                        f"{tuple(p.shape)}"
                     )
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -201,7 +205,7 @@ class OnebitOptimizer(CommunicatingOptimizer, OnebitStateDictMixin, MomentumMask
 
     # ------------------------------------------------------------------ stepping
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]  # no one-param step
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -221,10 +225,10 @@ class OnebitOptimizer(CommunicatingOptimizer, OnebitStateDictMixin, MomentumMask
             self._param_grads = grads
         else:
             self._param_grads = None
-            flat, views = self._scratch(layout, "grad")
-            present = [i for i, g in enumerate(grads) if g is not None]
+            _flat, views = self._scratch(layout, "grad")
+            present = [(i, g) for i, g in enumerate(grads) if g is not None]
             if present:
-                torch._foreach_copy_([views[i] for i in present], [grads[i] for i in present])
+                torch._foreach_copy_([views[i] for i, _ in present], [g for _, g in present])
             if len(present) < len(grads):
                 for i, g in enumerate(grads):
                     if g is None:
@@ -296,7 +300,7 @@ class OnebitOptimizer(CommunicatingOptimizer, OnebitStateDictMixin, MomentumMask
         tensors, e.g. after a reload) on first use, the per-param states become views into it."""
         flat = self._flats.get(key)
         if flat is None:
-            layout = self._layout
+            layout = self._built_layout()
             flat = torch.zeros(layout.numel, dtype=torch.float32, device=layout.device)
             views = layout.views(flat)
             for p, view in zip(layout.params, views):
@@ -318,7 +322,14 @@ class OnebitOptimizer(CommunicatingOptimizer, OnebitStateDictMixin, MomentumMask
                 self._flat(key)
 
     def _has_state(self, key: str) -> bool:
-        return bool(self._layout.params) and key in self.state[self._layout.params[0]]
+        params = self._built_layout().params
+        return bool(params) and key in self.state[params[0]]
+
+    def _built_layout(self) -> Layout:
+        """The layout of the params (built by the first step's ``_prepare_layout``)."""
+        if self._layout is None:
+            raise RuntimeError(f"{type(self).__name__}: no layout yet (the first step builds it)")
+        return self._layout
 
     @staticmethod
     def _scratch(layout: Layout, key: str) -> tuple[Tensor, list[Tensor]]:
@@ -350,7 +361,7 @@ class OnebitOptimizer(CommunicatingOptimizer, OnebitStateDictMixin, MomentumMask
         return values
 
     @staticmethod
-    def _assign(batch: Batch, values: list[Tensor]) -> None:
+    def _assign(batch: Batch, values: TensorList) -> None:
         """Set the params to fp32 ``values``; what rounding loses goes to the Kahan buffer."""
         for p, v in zip(batch.params, values):
             p.copy_(v)
@@ -402,9 +413,10 @@ class OnebitOptimizer(CommunicatingOptimizer, OnebitStateDictMixin, MomentumMask
         slice of ``flat`` is compressed with its own scale (as DeepSpeed compresses per param).
         ``momentum=(grads, w1)``: first ``slice <- lerp(slice, grad, w1)`` per param (``grads`` in layout
         order), in the compression's first pass."""
+        numels = self._built_layout().numels
         if momentum is not None:  # the compression's segments skip empty params
-            momentum = ([g for g, n in zip(momentum[0], self._layout.numels) if n], momentum[1])
-        self.compressor.reduce_flat_(flat, group=self.process_group, segments=self._layout.numels,
+            momentum = ([g for g, n in zip(momentum[0], numels) if n], momentum[1])
+        self.compressor.reduce_flat_(flat, group=self.process_group, segments=numels,
                                      on_reset=self._warn_errors_reset, momentum=momentum)
 
     def _reset_error_buffers(self) -> None:
@@ -435,7 +447,14 @@ class OnebitOptimizer(CommunicatingOptimizer, OnebitStateDictMixin, MomentumMask
 
     def _local_grads(self, layout: Layout) -> list[Tensor]:
         """The params' gradients of this step, in layout order; a zero tensor where a param has none."""
-        return [g if g is not None else torch.zeros_like(t) for t, g in zip(layout.tensors, self._param_grads)]
+        return [g if g is not None else torch.zeros_like(t) for t, g in zip(layout.tensors, self._step_param_grads())]
+
+    def _step_param_grads(self) -> list[Tensor | None]:
+        """``self._param_grads``, set during a step that reads them (see :meth:`_reads_param_grads`)."""
+        if self._param_grads is None:
+            raise RuntimeError(f"{type(self).__name__}: the params' gradients are read only during a step that "
+                               "keeps them (_reads_param_grads)")
+        return self._param_grads
 
     def _needs_average(self, t: int) -> bool:
         raise NotImplementedError

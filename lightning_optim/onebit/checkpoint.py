@@ -8,24 +8,31 @@ from __future__ import annotations
 
 import copy
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lightning_optim.onebit.resume import plain_to_onebit
 from lightning_optim.optim.validation import check_int
 
+if TYPE_CHECKING:  # the optimizer this is mixed into (see onebit/host.py)
+    from lightning_optim.onebit.host import OnebitHost as _Host
+else:
+    _Host = object
+
 __all__ = ["OnebitStateDictMixin"]
 
 
-class OnebitStateDictMixin:
+class OnebitStateDictMixin(_Host):
     """State-dict methods of :class:`~lightning_optim.onebit.base.OnebitOptimizer` (mixed in first)."""
 
     def _drop_foreign_errors(self) -> None:
         """Error buffers restored from another rank or world size carry another rank's residue."""
-        if not self.compressor.belongs_here(self.process_group):
-            world, rank = self.compressor.origin
+        origin = self.compressor.origin  # set whenever there are error buffers to drop
+        if origin is not None and not self.compressor.belongs_here(self.process_group):
+            world, rank = origin
             if (world, rank) == self._world():
+                now = self.compressor._per_node_now(self.process_group)
                 self._warn_errors_reset(f"they were made for nodes of {self.compressor.made_per_node} rank(s) and "
-                                        f"this run exchanges in nodes of {self.compressor._per_node_now(self.process_group)}")
+                                        f"this run exchanges in nodes of {now}")
             else:
                 self._warn_errors_reset(f"they were saved by rank {rank} of {world} and this is rank "
                                         f"{self._world()[1]} of {self._world()[0]}")
@@ -73,11 +80,16 @@ class OnebitStateDictMixin:
         The moments are equal on every rank except in ZeroOneAdam's local steps, but the error
         buffers are per rank: save one state dict per rank to restore behaviour bitwise. A dict
         from another rank or world size still loads (the error buffers restart from zero, with
-        one warning).
+        one warning). torch's state-dict hooks see the whole dict, ``"onebit"`` included.
         """
-        sd = super().state_dict()
+        return super().state_dict()  # BaseOptimizer's: its hooks around _state_dict
+
+    def _state_dict(self) -> dict[str, Any]:
+        sd = super()._state_dict()
         errors = self.compressor.state_dict()
-        origin = self.compressor.origin if errors["worker_error"] is not None else self._world()
+        origin = self.compressor.origin
+        if errors["worker_error"] is None or origin is None:  # no error buffers: stamped with this rank
+            origin = self._world()
         sd["onebit"] = {
             "optimizer": type(self).__name__,
             "schedule": copy.deepcopy(self._sched),
@@ -92,7 +104,14 @@ class OnebitStateDictMixin:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a dict from :meth:`state_dict`; the current ``exp_avg_mask`` of each group is kept
-        (as DeepSpeed does: masks change with the training phase, e.g. the sequence length)."""
+        (as DeepSpeed does: masks change with the training phase, e.g. the sequence length). torch's
+        load pre-hooks see the dict as given, its post-hooks the optimizer with everything loaded."""
+        super().load_state_dict(state_dict)  # BaseOptimizer's: its hooks around _load_state_dict
+
+    def _load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if not isinstance(state_dict, dict):
+            raise ValueError(f"state_dict: expected a dict with 'state' and 'param_groups', got "
+                             f"{type(state_dict).__name__}")
         onebit = state_dict.get("onebit")
         if onebit is None:  # a full-precision Adam/AdamW/LAMB: start 1-bit from a running job
             state_dict = plain_to_onebit(self, state_dict)
@@ -114,7 +133,7 @@ class OnebitStateDictMixin:
         self._check_units_state(onebit.get("units"))
         masks = [group.get("exp_avg_mask") for group in self.param_groups]
         groups = [{k: v for k, v in g.items() if k != "exp_avg_mask"} for g in state_dict["param_groups"]]
-        super().load_state_dict({**state_dict, "param_groups": groups})
+        super()._load_state_dict({**state_dict, "param_groups": groups})
         for group, mask in zip(self.param_groups, masks):
             if mask is not None:
                 group["exp_avg_mask"] = mask

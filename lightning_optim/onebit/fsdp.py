@@ -52,7 +52,7 @@ that is not 1-bit, :class:`OnebitLamb` (its trust ratio needs norms of whole par
 from __future__ import annotations
 
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -63,12 +63,15 @@ from lightning_optim.onebit.fsdp_grads import (
     DTensor,
     FSDPModule,
     Replicate,
-    ShardGradients,
     Shard,
+    ShardGradients,
     flat_order,
     missing_fsdp2_api,
 )
 from lightning_optim.onebit.lamb import OnebitLamb
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["OnebitFSDP", "onebit_fsdp"]
 
@@ -94,7 +97,8 @@ class OnebitFSDP:
     def _install(self, *, forward_hook: bool = True) -> None:
         for module, comm in zip(self.modules, self.comms):
             if comm.params:
-                module.set_custom_reduce_scatter(comm)
+                # duck-types torch's ReduceScatter interface (a private class, in newer torches only)
+                module.set_custom_reduce_scatter(comm)  # type: ignore[arg-type]
             # every trained param in every reduce-scatter (zeros where unused), so its flat layout is fixed
             module.set_reduce_scatter_unused_params(True, recurse=False)
         opt = self.optimizer
@@ -149,9 +153,9 @@ class OnebitFSDP:
             self.all_reduce_skipped = False
 
 
-def _fsdp_roots(model: nn.Module) -> list[nn.Module]:
+def _fsdp_roots(model: nn.Module) -> list[FSDPModule]:
     """The FSDP modules of ``model`` with no FSDP module above them (each holds one iteration state)."""
-    roots: list[nn.Module] = []
+    roots: list[FSDPModule] = []
 
     def visit(m: nn.Module) -> None:
         if isinstance(m, FSDPModule):
@@ -166,7 +170,7 @@ def _fsdp_roots(model: nn.Module) -> list[nn.Module]:
 
 def _mesh_of(params: list[torch.Tensor]) -> Any:
     """The one 2-D (replicate, shard) mesh all ``params`` live on; raises naming what is wrong."""
-    meshes = []
+    meshes: list[DeviceMesh] = []
     for i, p in enumerate(params):
         if not isinstance(p, DTensor):
             raise ValueError(f"params: optimizer param {i} (shape {tuple(p.shape)}) is not sharded by fully_shard "

@@ -36,7 +36,7 @@ def rank_key(rank: int | None = None) -> str:
 def rank_state(optimizer: OnebitOptimizer, model: nn.Module) -> dict[str, io.BytesIO]:
     """``{rank_key(): blob}``: this rank's ``optimizer.state_dict()`` (and its params' local shards when the
     replicas' params differ, ZeroOneAdam between synchronisations: DCP keeps one replica's shard)."""
-    own = {"optimizer": optimizer.state_dict(), "params": None}
+    own: dict[str, Any] = {"optimizer": optimizer.state_dict(), "params": None}
     if not optimizer.params_synchronized:
         own["params"] = [local_tensor(p).detach().clone() for p in model.parameters()]
     blob = io.BytesIO()

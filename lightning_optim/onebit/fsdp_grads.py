@@ -28,12 +28,13 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_optim.comm.stats import comm_stats
+from lightning_optim.onebit.layout import local_tensor
 
 try:  # public since torch 2.6; an older torch still imports lightning_optim (onebit_fsdp then refuses)
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor, Replicate, Shard
 except ImportError:
-    FSDPModule = DTensor = Replicate = Shard = None
+    FSDPModule = DTensor = Replicate = Shard = None  # type: ignore[assignment,misc]  # the names stay, as None
 
 __all__ = ["ShardGradients", "flat_order", "missing_fsdp2_api", "padded_numel"]
 
@@ -82,9 +83,10 @@ def flat_order(module: nn.Module) -> list[DTensor]:
 def padded_numel(p: DTensor) -> int:
     """Elements of one rank's chunk of ``p`` in the reduce-scatter output: dim 0 padded to a multiple of
     the shard group size (``Shard(0)``; FSDP shards other dims evenly, without padding)."""
-    shard_dims = [i for i, pl in enumerate(p.placements) if isinstance(pl, Shard)]
-    size = p.device_mesh.size(shard_dims[-1])
-    dim = p.placements[shard_dims[-1]].dim
+    shards = [(i, pl) for i, pl in enumerate(p.placements) if isinstance(pl, Shard)]
+    mesh_dim, placement = shards[-1]
+    size = p.device_mesh.size(mesh_dim)
+    dim = placement.dim
     if dim != 0:
         return p.to_local().numel()
     return -(-p.shape[0] // size) * math.prod(p.shape[1:])  # shape only: no DTensor op runs
@@ -158,7 +160,7 @@ class ShardGradients:
                 p.grad = DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape,
                                             stride=p.stride())
             else:
-                p.grad.to_local().add_(piece)
+                local_tensor(p.grad).add_(piece)
 
     def check_layout(self) -> None:
         """After a full-precision backward, the gradients torch wrote must be the views of the (all-reduced)
@@ -167,7 +169,7 @@ class ShardGradients:
         if flat is None:
             return
         for p, piece in self._pieces(flat):
-            g = None if p.grad is None else p.grad.to_local()
+            g = None if p.grad is None else local_tensor(p.grad)
             if g is None or g.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr():
                 continue  # cast to another dtype, or accumulated: nothing to compare positions with
             if g.storage_offset() != piece.storage_offset() or g.shape != piece.shape:

@@ -14,6 +14,7 @@ from lightning_optim.onebit.base import OnebitOptimizer
 from lightning_optim.onebit.layout import Layout
 from lightning_optim.optim.adam import adam_second_moment_
 from lightning_optim.optim.base import Batch, ParamsT
+from lightning_optim.optim.batch import TensorList
 from lightning_optim.optim.lamb import lamb_denominator, lamb_direction, lamb_first_moment_, trust_ratios
 from lightning_optim.optim.validation import (
     check_flag,
@@ -206,10 +207,10 @@ class OnebitLamb(AutoFreezeMixin, OnebitOptimizer):
             self._compression_step(layout, t)
 
     @staticmethod
-    def _with_decay(batch: Batch, update: list[Tensor], wd: float) -> list[Tensor]:
+    def _with_decay(batch: Batch, update: TensorList, wd: float) -> TensorList:
         return torch._foreach_add(update, batch.params_compute, alpha=wd) if wd else update
 
-    def _scale_and_apply(self, batch: Batch, group: dict[str, Any], update: list[Tensor], coeff: Tensor) -> None:
+    def _scale_and_apply(self, batch: Batch, group: dict[str, Any], update: TensorList, coeff: Tensor) -> None:
         torch._foreach_copy_(batch.state("lamb_coeff"), coeff.unbind())
         torch._foreach_mul_(update, (coeff * -group["lr"]).unbind())
         self._apply(batch, update)

@@ -18,7 +18,7 @@ from lightning_optim.comm.agreement import layout_signature
 try:
     from torch.distributed.tensor import DTensor
 except ImportError:  # a torch built without distributed: no DTensor can reach us
-    DTensor = None
+    DTensor = None  # type: ignore[assignment,misc]  # the name stays, as None
 
 
 def local_tensor(t: Tensor) -> Tensor:
@@ -51,10 +51,12 @@ class Layout:
         self.numel = offset
         devices = {t.device for t in self.tensors}
         if len(devices) > 1:
-            raise ValueError(f"params: 1-bit optimizers need every param on one device, got {sorted(map(str, devices))}")
+            raise ValueError(
+                f"params: 1-bit optimizers need every param on one device, got {sorted(map(str, devices))}")
         self.device = devices.pop() if devices else torch.device("cpu")
         self.buckets: list[tuple[int, list[int]]] = []  # filled once the states exist
-        self.scratch: dict[str, tuple[Tensor, list[Tensor]]] = {}
+        # work buffers by name ((flat, views): OnebitOptimizer._scratch) and the zero mask's cache (masks.py)
+        self.scratch: dict[str, Any] = {}
         self._signature: tuple[int, ...] | None = None
 
     def views(self, flat: Tensor) -> list[Tensor]:

@@ -4,10 +4,17 @@ the automatic mask of elements whose gradient stayed (all but) zero while the va
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import Tensor
 
 from lightning_optim.onebit.layout import Layout
+
+if TYPE_CHECKING:  # the optimizer this is mixed into (see onebit/host.py)
+    from lightning_optim.onebit.host import OnebitHost as _Host
+else:
+    _Host = object
 
 __all__ = ["MomentumMaskMixin"]
 
@@ -16,7 +23,7 @@ __all__ = ["MomentumMaskMixin"]
 SPARSE_MASK_RATIO = 16
 
 
-class MomentumMaskMixin:
+class MomentumMaskMixin(_Host):
     """Mask methods of :class:`~lightning_optim.onebit.base.OnebitOptimizer`."""
 
     def _mask_(self, layout: Layout, views: list[Tensor]) -> None:

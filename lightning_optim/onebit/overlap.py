@@ -60,7 +60,7 @@ class OverlapState:
 
 
 def _done(tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
-    fut = torch.futures.Future()
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     fut.set_result(tensor)
     return fut
 
@@ -110,9 +110,9 @@ def check_trains_ddp_params(ddp_model: torch.nn.Module, optimizer: Any) -> None:
     trained = {id(p) for group in optimizer.param_groups for p in group["params"]}
     missing = [name for name, p in module.named_parameters() if p.requires_grad and id(p) not in trained]
     if missing:
-        raise ValueError(f"optimizer: it does not train {len(missing)} of the DDP model's params ({', '.join(missing[:3])}"
-                         f"{', ...' if len(missing) > 3 else ''}); the overlap hook needs the optimizer over the model's "
-                         "own params (master weights keep separate fp32 copies)")
+        raise ValueError(f"optimizer: it does not train {len(missing)} of the DDP model's params "
+                         f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}); the overlap hook needs the "
+                         "optimizer over the model's own params (master weights keep separate fp32 copies)")
 
 
 def bind_overlap(state: OverlapState, ddp_model: torch.nn.parallel.DistributedDataParallel, optimizer: Any,

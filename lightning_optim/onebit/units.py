@@ -22,13 +22,18 @@ by another rank or world size, the error buffers restart at zero with a warning.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import Tensor
 
 from lightning_optim.comm.compressed import compressed_allreduce, error_buffer_sizes
 from lightning_optim.onebit.layout import Layout
+
+if TYPE_CHECKING:  # the optimizer this is mixed into (see onebit/host.py)
+    from lightning_optim.onebit.host import OnebitHost as _Host
+else:
+    _Host = object
 
 __all__ = ["CompressionUnitsMixin", "cut_units"]
 
@@ -52,12 +57,12 @@ def cut_units(numels: list[int], cap: int) -> list[Unit]:
     return units
 
 
-class CompressionUnitsMixin:
+class CompressionUnitsMixin(_Host):
     """Unit methods of :class:`~lightning_optim.onebit.adam.OnebitAdam`."""
 
     def _init_units(self) -> None:
         self._unit_cap: int | None = None  # None: the whole model in one call
-        self._units_of: tuple[Layout, list[Unit], dict[int, list[int]]] | None = None
+        self._units_of: tuple[Layout, list[Unit], dict[int, int]] | None = None  # units, unit index by param id
         self._units_done: set[Unit] = set()  # units the hook compressed for the coming step
         self._unit_errors_map: dict[Unit, tuple[Tensor, Tensor]] = {}
         self._saved_units: dict[str, Any] | None = None  # from load_state_dict, used at first use
@@ -82,17 +87,20 @@ class CompressionUnitsMixin:
         self._units_of = None
 
     def _units(self, layout: Layout) -> list[Unit]:
-        if self._units_of is None or self._units_of[0] is not layout:
-            units = cut_units(layout.numels, self._unit_cap)
+        return self._cut(layout)[1]
+
+    def _cut(self, layout: Layout) -> tuple[Layout, list[Unit], dict[int, int]]:
+        units_of = self._units_of
+        if units_of is None or units_of[0] is not layout:
+            units = cut_units(layout.numels, cast(int, self._unit_cap))  # only used with a cap set
             unit_of = {i: k for k, unit in enumerate(units) for i in unit}
             positions = {id(p): i for i, p in enumerate(layout.params)}
-            self._units_of = (layout, units, {pid: unit_of[i] for pid, i in positions.items()})
-        return self._units_of[1]
+            units_of = self._units_of = (layout, units, {pid: unit_of[i] for pid, i in positions.items()})
+        return units_of
 
     def _units_completed_by(self, layout: Layout, params: list[Tensor], ready: set[int]) -> list[Unit]:
         """Mark ``params`` (a DDP bucket) ready; the units that are now complete, in unit order."""
-        units = self._units(layout)
-        unit_of = self._units_of[2]
+        _, units, unit_of = self._cut(layout)
         touched = set()
         for p in params:
             k = unit_of.get(id(p))
@@ -114,7 +122,9 @@ class CompressionUnitsMixin:
             sizes = error_buffer_sizes(sum(numels), self._world()[0], numels)
             found = self._saved_unit_errors(unit, sizes, layout.device)
             if found is None:
-                found = tuple(torch.zeros(n, dtype=torch.float32, device=layout.device) for n in sizes)
+                worker_size, server_size = sizes
+                found = (torch.zeros(worker_size, dtype=torch.float32, device=layout.device),
+                         torch.zeros(server_size, dtype=torch.float32, device=layout.device))
             self._unit_errors_map[unit] = found
         return found
 
@@ -141,12 +151,12 @@ class CompressionUnitsMixin:
         """``m_U <- C(lerp(m_U, g_U, w1))`` for ``unit``; ``grads`` in the unit's order (``None``: zero)."""
         views = [self._flat_views["exp_avg"][i] for i in unit]
         numels = [layout.numels[i] for i in unit]
-        grads = [torch.zeros_like(v) if g is None else g for g, v in zip(grads, views)]
+        filled = [torch.zeros_like(v) if g is None else g for g, v in zip(grads, views)]
         start = layout.offsets[unit[0]]
         buffer = self._flats["exp_avg"][start:start + sum(numels)]  # the unit's positions are consecutive
         worker, server = self._unit_errors(layout, unit)
         compressed_allreduce(buffer, worker, server, group=self.process_group, segments=numels,
-                             momentum=([g for g, n in zip(grads, numels) if n], w1))
+                             momentum=([g for g, n in zip(filled, numels) if n], w1))
 
     def _compress_units(self, layout: Layout, grads: list[Tensor | None], w1: float) -> None:
         """Step time: every unit the hook did not compress for this step, in unit order."""

@@ -27,7 +27,7 @@ from pathlib import Path
 try:
     import fcntl
 except ImportError:  # Windows
-    fcntl = None  # type: ignore[assignment]
+    fcntl = None  # type: ignore[assignment]  # the name stays, as None: no lock there
 
 LOCK_FILE = "build.lock"  # ours: an flock, dropped by the OS when its holder dies
 BATON_FILE = "lock"  # torch's FileBaton inside load()

@@ -85,7 +85,7 @@ def build_key(cuda: bool, root: Path | None = None) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:12]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _sources_digest(root: Path) -> str:
     """sha256 of every kernel source and header under ``root``: relative path and content, not mtime or
     place, so two checkouts of one commit agree. Read once per process (``build(force=True)`` rereads)."""
@@ -188,6 +188,8 @@ def _build(verbose: bool) -> ModuleType:
     if module is None:
         with build_lock(build_dir):  # after waiting, another process may have built it
             module = _import_built(build_dir, name) or _compile(name, build_dir, files, cuda, verbose)
+    if module.__file__ is None:  # an extension module loaded from a file always has one
+        raise ImportError(f"{name}: the built module has no __file__ to check its C++ runtime")
     check_shared_cxx_runtime(Path(module.__file__))
     return module
 

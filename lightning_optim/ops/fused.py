@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from types import ModuleType
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -60,9 +60,14 @@ def _decay(decay: float) -> tuple[float, float]:
     return 1 - decay, -decay  # keep, neg_decay: torch's p * (1 - c) and p * (-c)
 
 
+def _eager_decay(lr: float | Tensor, decay_rule: tuple[float, float]) -> tuple[float, float]:
+    """``_decay`` of an eager step: its lr is a float (a tensor lr only reaches the compiled ops)."""
+    return _decay(decay_coefficient(cast(float, lr), *decay_rule))
+
+
 def _lr_tensor(lr: float | Tensor) -> Tensor:
-    """The lr as the 0-dim tensor the compiled ops take: a tensor lr as it is (its value is read when
-    the op runs, so an LR scheduler's ``fill_`` needs no recompile), a float exactly (float64)."""
+    """The lr as the one-element tensor the compiled ops take: a tensor lr as it is (its value is read when
+    the op runs, so an LR scheduler's ``fill_`` needs no recompile), a float exactly (float64, 0-dim)."""
     return lr if isinstance(lr, Tensor) else torch.tensor(lr, dtype=torch.float64)
 
 
@@ -81,7 +86,7 @@ def adam(ext: ModuleType) -> Callable[..., None]:
         ``frozen`` (with ``beta1 = 0, beta2 = 1``, ``apply``, no amsgrad): the grads are the final momenta and
         the variance is frozen: ``ext.adam_frozen`` reads both and writes only the params."""
         if frozen and apply and not amsgrad and beta1 == 0.0 and beta2 == 1.0 and not torch.compiler.is_compiling():
-            keep, neg = _decay(decay_coefficient(lr, *decay_rule))
+            keep, neg = _eager_decay(lr, decay_rule)
             ext.adam_frozen(params=_params(batch), momenta=batch.raw_grads, exp_avg_sqs=batch.state("exp_avg_sq"),
                             kahan_comps=_comps(batch), step=-lr / bc1, sqrt_bc2=math.sqrt(bc2), eps=eps, keep=keep,
                             neg_decay=neg)
@@ -95,7 +100,7 @@ def adam(ext: ModuleType) -> Callable[..., None]:
                 c2=1 - beta2, lr=_lr_tensor(lr), count=count, eps=eps, l2=l2, wd=decay_rule[0],
                 max_lr=decay_rule[1], apply=apply)
             return
-        keep, neg = _decay(decay_coefficient(lr, *decay_rule))
+        keep, neg = _eager_decay(lr, decay_rule)
         lists = coalesced(batch.run_cache, dict(
             params=_params(batch), grads=batch.raw_grads, exp_avgs=batch.state("exp_avg"),
             exp_avg_sqs=batch.state("exp_avg_sq"), max_exp_avg_sqs=batch.state("max_exp_avg_sq") if amsgrad else [],
@@ -115,7 +120,7 @@ def sgd(ext: ModuleType) -> Callable[..., None]:
         if torch.compiler.is_compiling():
             torch.ops.lightning_optim.sgd_at_lr(**common, lr=_lr_tensor(lr), wd=decay_rule[0], max_lr=decay_rule[1])
             return
-        keep, neg = _decay(decay_coefficient(lr, *decay_rule))
+        keep, neg = _eager_decay(lr, decay_rule)
         lists = coalesced(batch.run_cache, {k: common.pop(k) for k in ("params", "grads", "momentum_buffers",
                                                                         "kahan_comps")}, ext=ext)
         ext.sgd(**lists, **common, neg_lr=-lr, keep=keep, neg_decay=neg)
@@ -130,7 +135,7 @@ def lion(ext: ModuleType) -> Callable[..., None]:
         if torch.compiler.is_compiling():
             torch.ops.lightning_optim.lion_at_lr(**common, lr=_lr_tensor(lr), wd=decay_rule[0], max_lr=decay_rule[1])
             return
-        keep, neg = _decay(decay_coefficient(lr, *decay_rule))
+        keep, neg = _eager_decay(lr, decay_rule)
         lists = coalesced(batch.run_cache, {k: common.pop(k) for k in ("params", "grads", "exp_avgs", "kahan_comps")},
                           ext=ext)
         ext.lion(**lists, **common, neg_lr=-lr, keep=keep, neg_decay=neg)

@@ -10,27 +10,33 @@ from torch import Tensor
 
 from lightning_optim import ops
 from lightning_optim.optim.base import BaseOptimizer, Batch, ParamsT
+from lightning_optim.optim.batch import TensorList
 from lightning_optim.optim.validation import check_betas, check_flag, check_positive
+from lightning_optim.renames import FUSED_NOTE, Alias, argument_aliases, warn_ignored
 
-__all__ = ["Adam", "AdamW", "adam_first_moment_", "adam_second_moment_", "adam_denominator", "adam_deltas"]
+__all__ = ["Adam", "AdamW", "ADAM_W_MODE", "adam_first_moment_", "adam_second_moment_", "adam_denominator",
+           "adam_deltas"]
+
+# DeepSpeed's and apex's FusedAdam name torch's decoupled_weight_decay adam_w_mode
+ADAM_W_MODE = Alias("adam_w_mode", "decoupled_weight_decay", "DeepSpeed's and apex's FusedAdam")
 
 
 # The element-wise math of Adam, written once. The 1-bit optimizers (lightning_optim.onebit)
 # run the same formulas on averaged, local or compressed inputs, so they call these too.
 
 
-def adam_first_moment_(exp_avg: list[Tensor], grads: list[Tensor], beta1: float) -> None:
+def adam_first_moment_(exp_avg: list[Tensor], grads: TensorList, beta1: float) -> None:
     """``m <- beta1 m + (1 - beta1) g`` in place (as a lerp towards ``g``)."""
     torch._foreach_lerp_(exp_avg, grads, 1 - beta1)
 
 
-def adam_second_moment_(exp_avg_sq: list[Tensor], grads: list[Tensor], beta2: float) -> None:
+def adam_second_moment_(exp_avg_sq: list[Tensor], grads: TensorList, beta2: float) -> None:
     """``v <- beta2 v + (1 - beta2) g^2`` in place."""
     torch._foreach_mul_(exp_avg_sq, beta2)
     torch._foreach_addcmul_(exp_avg_sq, grads, grads, value=1 - beta2)
 
 
-def adam_denominator(exp_avg_sq: list[Tensor], bc2: float, eps: float, eps_inside_sqrt: bool = False) -> list[Tensor]:
+def adam_denominator(exp_avg_sq: list[Tensor], bc2: float, eps: float, eps_inside_sqrt: bool = False) -> TensorList:
     """``sqrt(v) / sqrt(bc2) + eps``, or ``sqrt(v / bc2 + eps)`` with ``eps_inside_sqrt`` (new tensors)."""
     if eps_inside_sqrt:
         denom = torch._foreach_div(exp_avg_sq, bc2)
@@ -52,16 +58,17 @@ def adam_deltas(
     bc2: float,
     eps: float,
     eps_inside_sqrt: bool = False,
-) -> list[Tensor]:
+) -> TensorList:
     """Adam's parameter delta ``-(lr / bc1) m / denominator`` (new tensors; decay not included)."""
     deltas = torch._foreach_div(exp_avg, adam_denominator(exp_avg_sq, bc2, eps, eps_inside_sqrt))
     torch._foreach_mul_(deltas, -lr / bc1)
     return deltas
 
 
+@argument_aliases(ADAM_W_MODE)
 class Adam(BaseOptimizer):
 
-    r"""Adam, with torch's arguments plus FusedAdam's ``adam_w_mode`` and ``bias_correction``.
+    r"""Adam, with torch's arguments plus FusedAdam's ``bias_correction``.
 
     At step :math:`t` with gradient :math:`g` (L2 mode adds :math:`\lambda p` to :math:`g`):
 
@@ -77,13 +84,12 @@ class Adam(BaseOptimizer):
         lr: learning rate, >= 0.
         betas: moment coefficients, each in [0, 1).
         eps: added to the denominator, > 0.
-        weight_decay: L2 penalty, or decoupled decay with ``decoupled_weight_decay``/``adam_w_mode``.
+        weight_decay: L2 penalty, or decoupled decay with ``decoupled_weight_decay``.
         amsgrad: use the running maximum of ``v`` (FusedAdam and optimi refuse it; we support it).
         decoupled_weight_decay: AdamW's decay ``p <- p - lr * wd * p``.
-        adam_w_mode: FusedAdam's name for ``decoupled_weight_decay`` (None: not given).
         bias_correction: divide the moments by ``1 - beta^t``.
         maximize: maximize the objective instead.
-        fused: accepted for torch compatibility; the fastest available path is always taken.
+        fused: accepted for torch compatibility; the fastest available path is always taken (True warns).
         foreach, kahan_sum, decouple_lr, max_lr, fp32_state: see :class:`BaseOptimizer`.
     """
 
@@ -101,7 +107,6 @@ class Adam(BaseOptimizer):
         amsgrad: bool = False,
         *,
         decoupled_weight_decay: bool = False,
-        adam_w_mode: bool | None = None,
         bias_correction: bool = True,
         maximize: bool = False,
         foreach: bool | None = None,
@@ -116,11 +121,8 @@ class Adam(BaseOptimizer):
     ) -> None:
         if capturable or differentiable:
             raise ValueError("capturable/differentiable: not supported by lightning_optim.Adam; leave them False")
-        if adam_w_mode is not None:
-            check_flag("adam_w_mode", adam_w_mode)
-            if decoupled_weight_decay and not adam_w_mode:
-                raise ValueError("adam_w_mode=False contradicts decoupled_weight_decay=True; give one of them")
-            decoupled_weight_decay = adam_w_mode
+        if fused is True:
+            warn_ignored(type(self).__name__, "fused", fused, FUSED_NOTE)
         defaults = dict(
             lr=lr,
             betas=betas,
@@ -181,8 +183,10 @@ class Adam(BaseOptimizer):
         self._apply(batch, deltas, decay=decay)
 
 
+@argument_aliases(ADAM_W_MODE)
 class AdamW(Adam):
-    """Adam with decoupled weight decay (``decoupled_weight_decay=True``, torch's default wd 1e-2)."""
+    """Adam with decoupled weight decay (``decoupled_weight_decay=True``, torch's default wd 1e-2); the other
+    keyword arguments are :class:`Adam`'s."""
 
     def __init__(
         self,
@@ -192,7 +196,9 @@ class AdamW(Adam):
         eps: float = 1e-8,
         weight_decay: float = 1e-2,
         amsgrad: bool = False,
+        *,
+        decoupled_weight_decay: bool = True,
         **kwargs: Any,
     ) -> None:
-        kwargs.setdefault("decoupled_weight_decay", True)
-        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, **kwargs)
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, decoupled_weight_decay=decoupled_weight_decay,
+                         **kwargs)

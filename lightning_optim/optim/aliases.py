@@ -1,7 +1,8 @@
-"""The seeds' optimizer names with their exact constructor signatures.
+"""The seeds' optimizer names, each with its seed's argument order and defaults.
 
-Each alias is the same optimizer as its lightning-optim counterpart; only the argument names and
-defaults follow the seed (DeepSpeed FusedAdam / DeepSpeedCPUAdam, ColossalAI FusedSGD). The
+Each alias is the same optimizer as its lightning-optim counterpart; the argument order and
+defaults follow the seed (DeepSpeed FusedAdam / DeepSpeedCPUAdam, ColossalAI FusedSGD), the names
+torch.optim's, with the seed's spellings (``adam_w_mode``, ``model_params`` ...) taken as aliases. The
 project's own flags (``foreach``, ``kahan_sum``, ``decouple_lr``...) are accepted as extra
 keyword-only arguments. The fastest available path is taken (compiled kernels arrive with the
 ``ops`` package).
@@ -13,16 +14,19 @@ from typing import Any
 
 import torch
 
-from lightning_optim.optim.adam import Adam
+from lightning_optim.optim.adam import ADAM_W_MODE, Adam
 from lightning_optim.optim.base import ParamsT
 from lightning_optim.optim.sgd import SGD
 from lightning_optim.optim.validation import check_flag
+from lightning_optim.renames import Alias, argument_aliases
 
 __all__ = ["CPUAdam", "FusedAdam", "FusedSGD"]
 
 
+@argument_aliases(ADAM_W_MODE)
 class FusedAdam(Adam):
-    """DeepSpeed/apex ``FusedAdam``: AdamW by default (``adam_w_mode=True``); amsgrad supported.
+    """DeepSpeed/apex ``FusedAdam``: AdamW by default (``decoupled_weight_decay=True``, their ``adam_w_mode``);
+    amsgrad supported; the arguments in DeepSpeed's order.
 
     ``set_grad_none`` picks ``zero_grad``'s default (True: free the gradients).
     """
@@ -34,7 +38,7 @@ class FusedAdam(Adam):
         bias_correction: bool = True,
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
-        adam_w_mode: bool = True,
+        decoupled_weight_decay: bool = True,
         weight_decay: float = 0.0,
         amsgrad: bool = False,
         set_grad_none: bool = True,
@@ -48,7 +52,7 @@ class FusedAdam(Adam):
             eps,
             weight_decay,
             amsgrad,
-            adam_w_mode=adam_w_mode,
+            decoupled_weight_decay=decoupled_weight_decay,
             bias_correction=bias_correction,
             **flags,
         )
@@ -57,45 +61,39 @@ class FusedAdam(Adam):
         super().zero_grad(self.set_grad_none if set_to_none is None else set_to_none, param=param)
 
 
+@argument_aliases(
+    Alias("model_params", "params", "DeepSpeed's DeepSpeedCPUAdam"),
+    Alias("adamw_mode", "decoupled_weight_decay", "DeepSpeed's DeepSpeedCPUAdam"),
+    Alias("fp32_optimizer_states", "fp32_state", "DeepSpeed's DeepSpeedCPUAdam"),
+    ADAM_W_MODE,
+)
 class CPUAdam(Adam):
-    """DeepSpeed ``DeepSpeedCPUAdam``: AdamW by default; fp32 states for fp16/bf16 params by default.
-
-    ``fp32_optimizer_states`` (DeepSpeed's name) and ``fp32_state`` (ours) are one setting: give
-    either (default True); both with different values is a ``ValueError``.
-    """
+    """DeepSpeed ``DeepSpeedCPUAdam``: AdamW by default; fp32 states for fp16/bf16 params by default
+    (``fp32_state=True``); the arguments in DeepSpeed's order."""
 
     def __init__(
         self,
-        model_params: ParamsT,
+        params: ParamsT,
         lr: float = 1e-3,
         bias_correction: bool = True,
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 0.0,
         amsgrad: bool = False,
-        adamw_mode: bool = True,
-        fp32_optimizer_states: bool | None = None,
+        decoupled_weight_decay: bool = True,
+        fp32_state: bool = True,
         **flags: Any,
     ) -> None:
-        ours = flags.pop("fp32_state", None)
-        if fp32_optimizer_states is not None:
-            check_flag("fp32_optimizer_states", fp32_optimizer_states)
-        if ours is not None:
-            check_flag("fp32_state", ours)
-        if ours is not None and fp32_optimizer_states is not None and ours != fp32_optimizer_states:
-            raise ValueError(f"fp32_state={ours} contradicts fp32_optimizer_states={fp32_optimizer_states}: "
-                             "they are one setting, give one of them")
-        fp32 = next((v for v in (fp32_optimizer_states, ours) if v is not None), True)
         super().__init__(
-            model_params,
+            params,
             lr,
             betas,
             eps,
             weight_decay,
             amsgrad,
-            adam_w_mode=check_flag("adamw_mode", adamw_mode),
+            decoupled_weight_decay=decoupled_weight_decay,
             bias_correction=bias_correction,
-            fp32_state=fp32,
+            fp32_state=fp32_state,
             **flags,
         )
 

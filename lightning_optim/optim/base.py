@@ -18,7 +18,10 @@ Which params step together (buckets, their cached plans, the one-pass grad read)
   states only; the next normal step applies them to the parameters.
 * **Gradient release**: see :mod:`lightning_optim.optim.release`.
 * **State dicts** keep each state tensor's dtype on reload (torch casts floating state to the
-  parameter dtype, which would round fp32 moments of bf16 parameters down).
+  parameter dtype, which would round fp32 moments of bf16 parameters down); torch's state-dict hooks
+  wrap the whole of ours (:mod:`lightning_optim.optim.hooks`).
+* **Step counts** are kept as torch.optim keeps them, a 0-dim CPU tensor per param
+  (:mod:`lightning_optim.optim.steps`); the math reads them as an int.
 
 Rules for subclasses: never modify ``batch.grads`` in place (they may be ``param.grad``
 itself); put scratch results in fresh lists; hand the final parameter delta to ``self._apply``.
@@ -36,10 +39,12 @@ from torch import Tensor
 from lightning_optim import ops
 from lightning_optim.ops.fused import decay_coefficient
 from lightning_optim.optim import batch as batch_module
-from lightning_optim.optim.batch import LOW_PRECISION, Batch, bucket_slices, element_chunks
+from lightning_optim.optim.batch import LOW_PRECISION, Batch, TensorList, bucket_slices, element_chunks
 from lightning_optim.optim.flat_params import FLAT_GRAD_ATTR
+from lightning_optim.optim.hooks import install_state, load_with_hooks, packed_state_dict, state_dict_with_hooks
 from lightning_optim.optim.plans import BucketPlans, check_grad
 from lightning_optim.optim.state_dicts import prepare_state_dict
+from lightning_optim.optim.steps import new_step
 from lightning_optim.optim.validation import (
     check_distinct_params,
     check_flag,
@@ -73,7 +78,7 @@ class BaseOptimizer(BucketPlans, torch.optim.Optimizer):
 
     # Our step writes the rounded 16-bit copies of fp32 master params (set_param_copies).
     writes_param_copies = True
-    # lr may be a 0-dim tensor (as in torch.optim, for torch.compile with an LR scheduler: the scheduler
+    # lr may be a one-element tensor (as in torch.optim, for torch.compile with an LR scheduler: the scheduler
     # fills it in place, the compiled step reads it at run time); the eager step reads it as a float.
     _tensor_lr = True
     # The compiled step of this class hands a tensor lr to its custom op (no .item() in the graph).
@@ -171,7 +176,8 @@ class BaseOptimizer(BucketPlans, torch.optim.Optimizer):
         copies = {}
         for master, copy in pairs:
             if master.dtype != torch.float32 or copy.shape != master.shape or copy.device != master.device:
-                raise ValueError("set_param_copies: each pair must be an fp32 master and a same-shape copy on its device")
+                raise ValueError(
+                    "set_param_copies: each pair must be an fp32 master and a same-shape copy on its device")
             copies[id(master)] = copy
         self._param_copies = copies
 
@@ -274,7 +280,7 @@ class BaseOptimizer(BucketPlans, torch.optim.Optimizer):
         state = self.state[p]
         if not state:
             dtype = self._compute_dtype(group, p)
-            state["step"] = 0
+            state["step"] = new_step()
             self._init_state(group, p, state, dtype)
             if self._uses_kahan(group, p):
                 state["kahan_comp"] = self._new_state(p, "kahan_comp", p.dtype)
@@ -294,10 +300,8 @@ class BaseOptimizer(BucketPlans, torch.optim.Optimizer):
     def _step_params(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor],
                      plan: list | None = None, contiguous: bool = False) -> None:
         apply = not self._optimizer_accumulation
-        for idx, states, dtype in plan if plan is not None else self._plan(group, params):
-            for s in states:
-                s["step"] += 1
-            step = states[0]["step"]
+        for idx, states, dtype, steps in plan if plan is not None else self._plan(group, params):
+            step = steps.advance(states)  # the count as an int, for the math and the kernels
             try:
                 torch_path = (dtype in LOW_PRECISION or not self._has_kernel
                               or ops.backend_for(params[idx[0]].device) == "torch")
@@ -320,8 +324,7 @@ class BaseOptimizer(BucketPlans, torch.optim.Optimizer):
                 # a kernel refused (a state tensor replaced by hand after the plan was built): the bucket's
                 # count goes back, and the next step rebuilds the plan, which checks every state against
                 # its param before anything moves
-                for s in states:
-                    s["step"] -= 1
+                steps.rewind(states)
                 self.__dict__.get("_plans", {}).pop(id(group), None)
                 raise
 
@@ -334,7 +337,7 @@ class BaseOptimizer(BucketPlans, torch.optim.Optimizer):
             return None
         return element_chunks(params[0], grads[0], states[0])
 
-    def _step_batch(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor],
+    def _step_batch(self, group: dict[str, Any], params: list[Tensor], grads: TensorList,
                     states: list[dict[str, Any]], step: int, dtype: torch.dtype, apply: bool,
                     run_cache: dict[str, Any] | None = None, contiguous: bool = False) -> None:
         if group.get("maximize"):
@@ -343,8 +346,9 @@ class BaseOptimizer(BucketPlans, torch.optim.Optimizer):
         if not (self._compiled_tensor_lr and torch.compiler.is_compiling()):
             group = self.with_float_lr(group)  # compiled Adam/SGD/Lion hand the tensor to their op instead
         copies = [self._param_copies.get(id(p)) for p in params] if apply and self._param_copies else []
-        if copies and all(c is not None for c in copies):
-            batch.copies = copies  # a kernel may write them in its own pass
+        present = [c for c in copies if c is not None]
+        if copies and len(present) == len(copies):
+            batch.copies = present  # a kernel may write them in its own pass
         self._update(group, batch, apply)
         if not batch.copies_written:
             pairs = [(c, p) for c, p in zip(copies, params) if c is not None]
@@ -372,12 +376,12 @@ class BaseOptimizer(BucketPlans, torch.optim.Optimizer):
 
     @staticmethod
     def with_float_lr(group: dict[str, Any]) -> dict[str, Any]:
-        """``group``, or a shallow copy with a 0-dim tensor lr read as a float (the lr the step uses)."""
+        """``group``, or a shallow copy with a tensor lr read as a float (the lr the step uses)."""
         lr = group["lr"]
         return {**group, "lr": lr.item()} if isinstance(lr, Tensor) else group
 
     @staticmethod
-    def with_l2(batch: Batch, weight_decay: float, grads: list[Tensor] | None = None) -> list[Tensor]:
+    def with_l2(batch: Batch, weight_decay: float, grads: TensorList | None = None) -> TensorList:
         """``g + wd * p`` as new tensors (the caller's grads stay untouched).
 
         ``grads`` defaults to ``batch.grads`` (LAMB passes its clipped gradients).
@@ -387,7 +391,7 @@ class BaseOptimizer(BucketPlans, torch.optim.Optimizer):
             return grads
         return torch._foreach_add(grads, batch.params_compute, alpha=weight_decay)
 
-    def _apply(self, batch: Batch, deltas: list[Tensor], decay: float | list[float] = 0.0) -> None:
+    def _apply(self, batch: Batch, deltas: TensorList, decay: float | list[float] = 0.0) -> None:
         """``p <- p + delta - decay * p``, Kahan-compensated for low-precision params.
 
         ``decay`` is one coefficient for the batch or one per tensor (StableAdamW's clipped lr).
@@ -461,21 +465,30 @@ class BaseOptimizer(BucketPlans, torch.optim.Optimizer):
         ``step`` and ``kahan_comp``): the keys of :meth:`_state_template`."""
         return set(self._state_template(group, p)), set()
 
+    @torch._disable_dynamo
+    def state_dict(self) -> dict[str, Any]:
+        """torch's state dict (torch's hooks run around it, as in ``torch.optim.Optimizer``); subclasses add
+        their parts in :meth:`_state_dict`."""
+        return state_dict_with_hooks(self, self._state_dict)
+
+    def _state_dict(self) -> dict[str, Any]:
+        return packed_state_dict(self)
+
+    @torch._disable_dynamo
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load ours or torch.optim's state dict of the same algorithm, atomically.
 
+        torch's load pre-hooks see (and may replace) the given dict, its post-hooks the loaded optimizer.
         Everything is checked and converted first (:mod:`lightning_optim.optim.state_dicts`: the
-        group keys, the per-param state keys, shapes and the dtype rules); a refused dict changes
+        group keys, the per-param state keys, steps, shapes and the dtype rules); a refused dict changes
         nothing. Every state tensor is a fresh copy in its decided dtype (torch would cast fp32
         moments of a bf16 param down, and share same-dtype tensors with the given dict).
         """
+        load_with_hooks(self, state_dict, self._load_state_dict)
+
+    def _load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """The checked load, without hooks (subclasses that keep more state extend it)."""
         prepared = prepare_state_dict(self, state_dict)
-        super().load_state_dict(prepared)
+        install_state(self, prepared["param_groups"], prepared["state"])
         self._group_index = None
         self._plans.clear()  # new group and state dicts
-        params = [p for group in self.param_groups for p in group["params"]]
-        saved_ids = [i for group in prepared["param_groups"] for i in group["params"]]
-        for p, saved_id in zip(params, saved_ids):
-            saved = prepared["state"].get(saved_id)
-            if saved is not None:
-                self.state[p] = dict(saved)  # torch's casts replaced by the decided dtypes

@@ -9,9 +9,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["LOW_PRECISION", "Batch", "TORCH_PATH_SLICE", "bucket_slices", "element_chunks"]
+__all__ = ["LOW_PRECISION", "Batch", "TORCH_PATH_SLICE", "TensorList", "bucket_slices", "element_chunks"]
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+# The tensor lists the update math passes around: what torch's foreach ops take, and (as tuples) return.
+TensorList = list[Tensor] | tuple[Tensor, ...]
 
 
 @dataclass
@@ -25,7 +28,7 @@ class Batch:
     """
 
     params: list[Tensor]
-    raw_grads: list[Tensor]
+    raw_grads: TensorList
     states: list[dict[str, Any]]
     step: int
     compute_dtype: torch.dtype

@@ -62,7 +62,8 @@ class StateArena:
 def pack_states(params: list[Tensor], states: list[dict[str, Any]]) -> None:
     """Move the per-element state tensors of a bucket into one buffer per state name (views).
 
-    Fresh states are born packed (``StateArena``); this packs those that come from elsewhere. Thousands of small state tensors are thousands of small allocations on 4 KB pages; the
+    Fresh states are born packed (``StateArena``); this packs those that come from elsewhere.
+    Thousands of small state tensors are thousands of small allocations on 4 KB pages; the
     fused kernels stream them ~1.7x slower than the same bytes in one buffer. Only standalone
     tensors move (the owning copies ``load_state_dict`` makes), once; a
     checkpoint still sees one tensor per param (torch.save keeps the shared storage once,
@@ -71,11 +72,12 @@ def pack_states(params: list[Tensor], states: list[dict[str, Any]]) -> None:
     if len(params) < 2:
         return
     for name, first in states[0].items():
-        if not isinstance(first, Tensor):
+        if not isinstance(first, Tensor) or name == "step":  # the CPU step count stays a tensor of its own
             continue
-        members = [s.get(name) for s in states]
-        if not all(
-            isinstance(t, Tensor) and t.shape == p.shape and t.dtype == first.dtype and t.device == first.device
+        found = [s.get(name) for s in states]
+        members = [t for t in found if isinstance(t, Tensor)]
+        if len(members) != len(found) or not all(
+            t.shape == p.shape and t.dtype == first.dtype and t.device == first.device
             and t.is_contiguous() and t._base is None and t.untyped_storage().nbytes() == t.nbytes
             for t, p in zip(members, params)
         ):

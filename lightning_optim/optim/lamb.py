@@ -13,7 +13,9 @@ from torch import Tensor
 from lightning_optim import ops
 from lightning_optim.optim.adam import adam_second_moment_
 from lightning_optim.optim.base import BaseOptimizer, Batch, ParamsT
+from lightning_optim.optim.batch import TensorList
 from lightning_optim.optim.validation import check_betas, check_flag, check_non_negative, check_positive
+from lightning_optim.renames import Alias, argument_aliases
 
 __all__ = ["Lamb", "FusedLamb", "lamb_first_moment_", "lamb_denominator", "lamb_direction", "trust_ratios",
            "trust_ratios_from_norms"]
@@ -23,13 +25,13 @@ __all__ = ["Lamb", "FusedLamb", "lamb_first_moment_", "lamb_denominator", "lamb_
 # The second moment is Adam's (adam_second_moment_).
 
 
-def lamb_first_moment_(exp_avg: list[Tensor], grads: list[Tensor], beta1: float, grad_averaging: bool = True) -> None:
+def lamb_first_moment_(exp_avg: list[Tensor], grads: TensorList, beta1: float, grad_averaging: bool = True) -> None:
     """``m <- beta1 m + a g`` in place, ``a = 1 - beta1`` with ``grad_averaging``, else 1."""
     torch._foreach_mul_(exp_avg, beta1)
     torch._foreach_add_(exp_avg, grads, alpha=1 - beta1 if grad_averaging else 1.0)
 
 
-def lamb_denominator(exp_avg_sq: list[Tensor], bc2: float, eps: float, eps_inside_sqrt: bool = False) -> list[Tensor]:
+def lamb_denominator(exp_avg_sq: list[Tensor], bc2: float, eps: float, eps_inside_sqrt: bool = False) -> TensorList:
     """``sqrt(v / bc2) + eps``, or ``sqrt(v / bc2 + eps)`` with ``eps_inside_sqrt`` (new tensors)."""
     denom = torch._foreach_div(exp_avg_sq, bc2)
     if eps_inside_sqrt:
@@ -41,14 +43,16 @@ def lamb_denominator(exp_avg_sq: list[Tensor], bc2: float, eps: float, eps_insid
     return denom
 
 
-def lamb_direction(exp_avg: list[Tensor], denom: list[Tensor], bc1: float) -> list[Tensor]:
+def lamb_direction(exp_avg: list[Tensor], denom: TensorList, bc1: float) -> TensorList:
     """The Adam-form direction ``(m / bc1) / denom`` (new tensors, decay not included)."""
     update = torch._foreach_div(exp_avg, bc1)
     torch._foreach_div_(update, denom)
     return update
 
 
-def trust_ratios(params: list[Tensor], updates: list[Tensor], min_coeff: float, max_coeff: float) -> tuple[Tensor, Tensor]:
+def trust_ratios(
+    params: TensorList, updates: TensorList, min_coeff: float, max_coeff: float
+) -> tuple[Tensor, Tensor]:
     """Per tensor ``clamp(|p| / |u|, min_coeff, max_coeff)``, 1 where a norm is 0.
 
     Returns the ratios (1-dim, one per tensor) and a bool mask: True where both norms were
@@ -59,13 +63,16 @@ def trust_ratios(params: list[Tensor], updates: list[Tensor], min_coeff: float, 
     return trust_ratios_from_norms(p_norm, u_norm, min_coeff, max_coeff)
 
 
-def trust_ratios_from_norms(p_norm: Tensor, u_norm: Tensor, min_coeff: float, max_coeff: float) -> tuple[Tensor, Tensor]:
+def trust_ratios_from_norms(
+    p_norm: Tensor, u_norm: Tensor, min_coeff: float, max_coeff: float
+) -> tuple[Tensor, Tensor]:
     """:func:`trust_ratios` from the per-tensor norms (the compiled kernels compute those)."""
     ratio = (p_norm / u_norm).clamp(min_coeff, max_coeff)
     measured = (p_norm != 0) & (u_norm != 0)
     return torch.where(measured, ratio, torch.ones_like(ratio)), measured
 
 
+@argument_aliases(Alias("adam_w_mode", "decoupled_weight_decay", "apex's, ColossalAI's and DeepSpeed's LAMB"))
 class Lamb(BaseOptimizer):
     r"""LAMB: Adam's step rescaled per tensor by the trust ratio :math:`\|p\| / \|u\|`.
 
@@ -113,10 +120,10 @@ class Lamb(BaseOptimizer):
         betas: moment coefficients, each in [0, 1).
         eps: added to the denominator (or under the square root), > 0.
         weight_decay: decay :math:`\lambda` >= 0, inside the trust-ratio update
-            (``adam_w_mode``) or as L2 on the gradient.
+            (``decoupled_weight_decay``) or as L2 on the gradient.
         bias_correction: divide the moments by :math:`1-\beta^t`.
         eps_inside_sqrt: :math:`\sqrt{\hat v + \epsilon}` instead of :math:`\sqrt{\hat v} + \epsilon`.
-        adam_w_mode: decoupled decay inside the update (True) or L2 (False).
+        decoupled_weight_decay: decoupled decay inside the update (True) or L2 (False).
         grad_averaging: scale the gradient by :math:`1-\beta_1` in the first moment.
         max_grad_norm: global gradient-norm clipping threshold, >= 0 (0: off). Not possible
             under gradient release.
@@ -141,7 +148,7 @@ class Lamb(BaseOptimizer):
         *,
         bias_correction: bool = True,
         eps_inside_sqrt: bool = False,
-        adam_w_mode: bool = True,
+        decoupled_weight_decay: bool = True,
         grad_averaging: bool = True,
         max_grad_norm: float = 0.0,
         max_coeff: float = 10.0,
@@ -162,7 +169,7 @@ class Lamb(BaseOptimizer):
             weight_decay=weight_decay,
             bias_correction=bias_correction,
             eps_inside_sqrt=eps_inside_sqrt,
-            adam_w_mode=adam_w_mode,
+            decoupled_weight_decay=decoupled_weight_decay,
             grad_averaging=grad_averaging,
             max_grad_norm=max_grad_norm,
             max_coeff=max_coeff,
@@ -180,7 +187,8 @@ class Lamb(BaseOptimizer):
     def _check_group(self, group: dict[str, Any]) -> None:
         check_betas(group["betas"])
         check_positive("eps", group["eps"])
-        for flag in ("bias_correction", "eps_inside_sqrt", "adam_w_mode", "grad_averaging", "use_nvlamb", "adam"):
+        for flag in ("bias_correction", "eps_inside_sqrt", "decoupled_weight_decay", "grad_averaging", "use_nvlamb",
+                     "adam"):
             check_flag(flag, group[flag])
         if check_non_negative("max_grad_norm", group["max_grad_norm"]) > 0 and self.gradient_release:
             raise ValueError("max_grad_norm: global grad-norm clipping is not possible under gradient release")
@@ -205,7 +213,9 @@ class Lamb(BaseOptimizer):
     def _before_step(self, work: list[tuple[dict[str, Any], list[Tensor]]]) -> None:
         self._warn_if_never_trust_scaled()
         if any(group["max_grad_norm"] > 0 and params for group, params in work):
-            self._global_grad_norm = _global_norm([p.grad for _, params in work for p in params])
+            # every param of the work has a gradient: the filter only tells the type checker
+            grads = [g for _, params in work for p in params if (g := p.grad) is not None]
+            self._global_grad_norm = _global_norm(grads)
 
     def _warn_if_never_trust_scaled(self) -> None:
         """Once: with weight_decay=0 and use_nvlamb=False in every group (HF's Trainer passes
@@ -224,7 +234,7 @@ class Lamb(BaseOptimizer):
     def _update(self, group: dict[str, Any], batch: Batch, apply: bool) -> None:
         beta1, beta2 = group["betas"]
         wd = group["weight_decay"]
-        grads = batch.grads
+        grads: TensorList = batch.grads
         divisor = None
         if group["max_grad_norm"] > 0:
             if self._global_grad_norm is None:
@@ -236,7 +246,7 @@ class Lamb(BaseOptimizer):
             return
         if divisor is not None:
             grads = torch._foreach_div(grads, divisor.to(grads[0].device))
-        if not group["adam_w_mode"]:
+        if not group["decoupled_weight_decay"]:
             grads = self.with_l2(batch, wd, grads)
         exp_avg, exp_avg_sq = batch.state("exp_avg"), batch.state("exp_avg_sq")
         lamb_first_moment_(exp_avg, grads, beta1, group["grad_averaging"])
@@ -248,7 +258,7 @@ class Lamb(BaseOptimizer):
         if group["bias_correction"]:
             bc1, bc2 = 1 - beta1**batch.step, 1 - beta2**batch.step
         update = lamb_direction(exp_avg, lamb_denominator(exp_avg_sq, bc2, group["eps"], group["eps_inside_sqrt"]), bc1)
-        if group["adam_w_mode"] and wd != 0:
+        if group["decoupled_weight_decay"] and wd != 0:
             torch._foreach_add_(update, batch.params_compute, alpha=wd)
 
         coeffs = batch.state("lamb_coeff")
@@ -265,7 +275,7 @@ class Lamb(BaseOptimizer):
     def _update_fused(self, kernel: Any, group: dict[str, Any], batch: Batch, apply: bool, clip_div: float) -> None:
         """The same step through the compiled kernels (``ops.kernel("lamb")``)."""
         beta1, beta2 = group["betas"]
-        wd, decoupled = group["weight_decay"], group["adam_w_mode"]
+        wd, decoupled = group["weight_decay"], group["decoupled_weight_decay"]
         bc1, bc2 = 1.0, 1.0
         if group["bias_correction"]:
             bc1, bc2 = 1 - beta1**batch.step, 1 - beta2**batch.step
@@ -309,7 +319,7 @@ def _global_norm(grads: list[Tensor]) -> Tensor:
     for g in grads:
         by_kind.setdefault((g.device, g.dtype), []).append(g)
     device = grads[0].device
-    norms = []
+    norms: list[Tensor] = []
     for (_, dtype), gs in by_kind.items():
         norm_dtype = torch.float64 if dtype == torch.float64 else torch.float32
         norms.extend(n.to(device=device, dtype=acc) for n in torch._foreach_norm(gs, 2, dtype=norm_dtype))
@@ -320,7 +330,7 @@ class FusedLamb(Lamb):
     """DeepSpeed's ``FusedLamb`` signature on :class:`Lamb`.
 
     The trust ratio applies to every tensor (``use_nvlamb=True``), clamped to
-    ``[min_coeff, max_coeff]``; decay is decoupled (``adam_w_mode=True``) and the first moment
+    ``[min_coeff, max_coeff]``; decay is decoupled (``decoupled_weight_decay=True``) and the first moment
     averages (``grad_averaging=True``). DeepSpeed's eps default (1e-8) is kept. ``amsgrad`` is
     refused, as DeepSpeed does (it raises RuntimeError; we raise ValueError). The differences of
     DeepSpeed's CUDA kernel with ``bias_correction=True`` and its clipping are listed on
@@ -358,7 +368,7 @@ class FusedLamb(Lamb):
             weight_decay=weight_decay,
             bias_correction=bias_correction,
             eps_inside_sqrt=eps_inside_sqrt,
-            adam_w_mode=True,
+            decoupled_weight_decay=True,
             grad_averaging=True,
             max_grad_norm=max_grad_norm,
             max_coeff=max_coeff,

@@ -11,10 +11,15 @@ from torch import Tensor
 from lightning_optim import ops
 from lightning_optim.optim.base import BaseOptimizer, Batch, ParamsT
 from lightning_optim.optim.validation import check_non_negative, check_positive
+from lightning_optim.renames import Alias, argument_aliases
 
 __all__ = ["Lars"]
 
+# ColossalAI's spellings (its Lars takes eeta and epsilon)
+ALIASES = (Alias("eeta", "trust_coefficient", "ColossalAI's Lars"), Alias("epsilon", "eps", "ColossalAI's Lars"))
 
+
+@argument_aliases(*ALIASES)
 class Lars(BaseOptimizer):
     r"""Layer-wise adaptive rate scaling, as ColossalAI's ``Lars`` computes it.
 
@@ -39,9 +44,9 @@ class Lars(BaseOptimizer):
     Args:
         lr: learning rate :math:`\eta`, >= 0.
         momentum: :math:`\mu`, >= 0 (0: no buffer).
-        eeta: LARS coefficient :math:`\eta_e`, in (0, 1].
+        trust_coefficient: the LARS coefficient :math:`\eta_e`, in (0, 1].
         weight_decay: L2 coefficient :math:`\lambda`, >= 0 (also in the trust-ratio denominator).
-        epsilon: :math:`\epsilon` in the trust-ratio denominator, >= 0.
+        eps: :math:`\epsilon` in the trust-ratio denominator, >= 0.
         grad_clip: element-wise clamp of the decayed gradient, > 0 or None.
         trust_clip: upper clamp of the trust ratio, > 0 or None.
         maximize: maximize the objective instead.
@@ -55,9 +60,9 @@ class Lars(BaseOptimizer):
         params: ParamsT,
         lr: float = 1e-3,
         momentum: float = 0.0,
-        eeta: float = 1e-3,
+        trust_coefficient: float = 1e-3,
         weight_decay: float = 0.0,
-        epsilon: float = 0.0,
+        eps: float = 0.0,
         *,
         grad_clip: float | None = 10.0,
         trust_clip: float | None = 50.0,
@@ -70,9 +75,9 @@ class Lars(BaseOptimizer):
         defaults = dict(
             lr=lr,
             momentum=momentum,
-            eeta=eeta,
+            trust_coefficient=trust_coefficient,
             weight_decay=weight_decay,
-            epsilon=epsilon,
+            eps=eps,
             grad_clip=grad_clip,
             trust_clip=trust_clip,
             maximize=maximize,
@@ -85,9 +90,9 @@ class Lars(BaseOptimizer):
 
     def _check_group(self, group: dict[str, Any]) -> None:
         check_non_negative("momentum", group["momentum"])
-        if check_positive("eeta", group["eeta"]) > 1:
-            raise ValueError(f"eeta must be in (0, 1], got {group['eeta']}")
-        check_non_negative("epsilon", group["epsilon"])
+        if check_positive("trust_coefficient", group["trust_coefficient"]) > 1:
+            raise ValueError(f"trust_coefficient must be in (0, 1], got {group['trust_coefficient']}")
+        check_non_negative("eps", group["eps"])
         for name in ("grad_clip", "trust_clip"):
             if group[name] is not None:
                 check_positive(name, group[name])
@@ -134,7 +139,7 @@ class Lars(BaseOptimizer):
     @staticmethod
     def _trust(group: dict[str, Any], w_norm: Tensor, g_norm: Tensor) -> Tensor:
         """Per-tensor trust ratios from the norms of the params and of the raw gradients."""
-        trust = group["eeta"] * w_norm / (g_norm + group["weight_decay"] * w_norm + group["epsilon"])
+        trust = group["trust_coefficient"] * w_norm / (g_norm + group["weight_decay"] * w_norm + group["eps"])
         trust = torch.where((w_norm > 0) & (g_norm > 0), trust, torch.ones_like(trust))
         if group["trust_clip"] is not None:
             trust = trust.clamp(0.0, group["trust_clip"])

@@ -4,7 +4,8 @@ a traced step has imported it already."""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 

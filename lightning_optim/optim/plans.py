@@ -1,16 +1,20 @@
 """How an optimizer groups its params into buckets stepped together (``BaseOptimizer`` inherits it).
 
-A *plan* is, per param group, a list of buckets ``(positions, state dicts, compute dtype)``: the params
-with a gradient that share device, dtype, compute dtype, Kahan and step count, so one ``_update`` call
+A *plan* is, per param group, a list of buckets ``(positions, state dicts, compute dtype, steps)``: the
+params with a gradient that share device, dtype, compute dtype, Kahan and step count, so one ``_update`` call
 (and one fused kernel call) serves them all. Plans are cached while the same params get gradients and
 no state dict was replaced from outside; building one creates missing states, checks loaded ones and
 packs each bucket's states back to back (``bucket_states.py``), which lets the kernels take one span
 per list (``ops/coalesce.py``). Each bucket slice also gets a dict for the coalescing cache.
+
+``steps`` (:class:`~lightning_optim.optim.steps.BucketSteps`) moves the bucket's step tensors with one op
+and gives the math their count as an int.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections import defaultdict
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -18,6 +22,7 @@ from torch import Tensor
 from lightning_optim import ops
 from lightning_optim.ops.coalesce import same_items
 from lightning_optim.optim.bucket_states import StateArena, check_state, pack_states
+from lightning_optim.optim.steps import BucketSteps, new_step, step_value
 
 __all__ = ["BucketPlans", "check_grad"]
 
@@ -27,6 +32,14 @@ class BucketPlans:
     ``self._state_template``, ``self._uses_kahan`` and the compute dtypes from ``BaseOptimizer``."""
 
     _arena: StateArena | None = None  # set while a plan build creates states
+
+    if TYPE_CHECKING:  # BaseOptimizer's
+        state: defaultdict[Tensor, Any]
+        _plans: dict[int, tuple[tuple, list[Tensor], list]]
+
+        def _state_for(self, group: dict[str, Any], p: Tensor) -> dict[str, Any]: ...
+
+        def _compute_dtype(self, group: dict[str, Any], p: Tensor) -> torch.dtype: ...
 
     def _params_with_grad(self, group: dict[str, Any]) -> tuple[list[Tensor], list[Tensor], bool]:
         """The params that have a gradient, those gradients (``p.grad`` is read once: it is not a cheap
@@ -51,7 +64,8 @@ class BucketPlans:
     # Optimizers whose math must see one tensor at a time, in parameter order (random draws).
     per_tensor = False
 
-    def _plan(self, group: dict[str, Any], params: list[Tensor]) -> list[tuple[list[int], list[dict], torch.dtype]]:
+    def _plan(self, group: dict[str, Any],
+              params: list[Tensor]) -> list[tuple[list[int], list[dict], torch.dtype, BucketSteps]]:
         """Buckets of ``params`` updated together: same device, dtype, compute dtype, Kahan and
         step count. Cached while the same params get gradients: all members of a bucket then
         step together, so the buckets stay valid (a per-parameter step drops the cache)."""
@@ -60,7 +74,7 @@ class BucketPlans:
         cached = self._plans.get(id(group))
         # reuse for the same params, unless someone replaced a state dict from outside (opt.state[p] = {...})
         if cached is not None and cached[0] == key and same_items(cached[1], params, ops.loaded_extension()) and all(
-            states[0] is self.state.get(params[idx[0]]) for idx, states, _ in cached[2]
+            states[0] is self.state.get(params[idx[0]]) for idx, states, _, _ in cached[2]
         ):
             return cached[2]
         # Under torch.compile this one-off (state creation, storage checks, packing) runs eagerly: one
@@ -72,7 +86,7 @@ class BucketPlans:
         return self._build_plan(group, params, key, per_tensor)
 
     def _build_plan(self, group: dict[str, Any], params: list[Tensor], key: tuple,
-                    per_tensor: bool) -> list[tuple[list[int], list[dict], torch.dtype]]:
+                    per_tensor: bool) -> list[tuple[list[int], list[dict], torch.dtype, BucketSteps]]:
         fresh = [p for p in params if not self.state.get(p)]
         # states made in this build are born in one buffer per bucket and name (no pack-time copy)
         self._arena = StateArena.for_params(self, group, fresh) if len(fresh) > 1 else None
@@ -80,20 +94,25 @@ class BucketPlans:
             states = [self._state_for(group, p) for p in params]
         finally:
             self._arena = None
+        for state in states:  # a count set by hand as a number becomes the tensor torch.optim keeps
+            if not isinstance(state["step"], Tensor):
+                state["step"] = new_step(step_value(state["step"]))
+        counts = [step_value(state["step"]) for state in states]
         if per_tensor:
             indices = [[i] for i in range(len(params))]
         else:
             by_key: dict[tuple, list[int]] = {}
             for i, (p, s) in enumerate(zip(params, states)):
-                bucket_key = (p.device, p.dtype, self._compute_dtype(group, p), s["step"], "kahan_comp" in s)
+                bucket_key = (p.device, p.dtype, self._compute_dtype(group, p), counts[i], "kahan_comp" in s)
                 by_key.setdefault(bucket_key, []).append(i)
             indices = list(by_key.values())
-        plan = [(idx, [states[i] for i in idx], self._compute_dtype(group, params[idx[0]])) for idx in indices]
-        for idx, bucket_states, dtype in plan:
+        buckets = [(idx, [states[i] for i in idx], self._compute_dtype(group, params[idx[0]])) for idx in indices]
+        for idx, bucket_states, dtype in buckets:
             for i, state in zip(idx, bucket_states):
                 check_state(params[i], state, dtype, i)
-        for idx, bucket_states, _ in plan:
+        for idx, bucket_states, _ in buckets:
             pack_states([params[i] for i in idx], bucket_states)
+        plan = [(idx, bucket_states, dtype, BucketSteps(bucket_states)) for idx, bucket_states, dtype in buckets]
         self._plans[id(group)] = (key, list(params), plan)
         self.__dict__.setdefault("_run_caches", {}).clear()  # state dicts may be new objects with old ids
         return plan

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from lightning_optim.optim.base import BaseOptimizer, Batch, ParamsT
+from lightning_optim.optim.batch import TensorList
 from lightning_optim.optim.validation import check_betas, check_flag, check_positive
 
 __all__ = ["RAdam", "radam_deltas", "rectification"]
@@ -36,7 +37,7 @@ def rectification(beta2: float, step: int) -> float | None:
 def radam_deltas(
     exp_avgs: list[Tensor],
     exp_avg_sqs: list[Tensor],
-    grads: list[Tensor],
+    grads: TensorList,
     *,
     lr: float,
     beta1: float,
@@ -45,7 +46,7 @@ def radam_deltas(
     step: int,
     eps_on_debiased: bool,
     apply: bool = True,
-) -> list[Tensor] | None:
+) -> TensorList | None:
     r"""Update the moments in place; return the parameter deltas (None when not ``apply``).
 
     .. math::

@@ -12,8 +12,10 @@ import torch
 from torch import Tensor
 
 from lightning_optim.optim.base import BaseOptimizer, Batch, ParamsT
+from lightning_optim.optim.batch import TensorList
 from lightning_optim.optim.radam import RAdam
 from lightning_optim.optim.validation import check_int, check_positive
+from lightning_optim.renames import Alias, argument_aliases
 
 __all__ = ["Ranger", "lookahead_sync"]
 
@@ -26,7 +28,7 @@ def lookahead_sync(params: list[Tensor], slow: list[Tensor], alpha: float, comps
     it rounded and ``c`` what the rounding lost, so :math:`p + c = \phi` exactly after the sync.
     """
     if comps is None:
-        fast = [p.to(s.dtype) for p, s in zip(params, slow)]
+        fast: TensorList = [p.to(s.dtype) for p, s in zip(params, slow)]
         torch._foreach_lerp_(slow, fast, alpha)
         for p, s in zip(params, slow):
             p.copy_(s)
@@ -41,6 +43,11 @@ def lookahead_sync(params: list[Tensor], slow: list[Tensor], alpha: float, comps
         c.copy_(n - p.float())
 
 
+# optimi's spelling (its Ranger takes decouple_wd)
+ALIASES = (Alias("decouple_wd", "decoupled_weight_decay", "optimi's Ranger"),)
+
+
+@argument_aliases(*ALIASES)
 class Ranger(RAdam):
     r"""RAdam (optimi's variant) plus Lookahead slow weights synchronised every ``k`` applied steps.
 
@@ -54,7 +61,7 @@ class Ranger(RAdam):
     and after every ``k``-th applied step :math:`\phi \leftarrow \phi + \alpha (p - \phi)`,
     :math:`p \leftarrow \phi`. The slow weights :math:`\phi` (state ``la_param``, in the state dtype,
     so fp32 with ``fp32_state``) start as a copy of the params at their first step.
-    :math:`c = \eta\lambda` with ``decouple_wd`` (the default), :math:`\lambda\eta/\eta_{max}` with
+    :math:`c = \eta\lambda` with ``decoupled_weight_decay`` (the default), :math:`\lambda\eta/\eta_{max}` with
     ``decouple_lr``; with neither, :math:`\lambda` is an L2 penalty added to the gradient.
 
     Lookahead counts applied steps only (state ``la_step``): steps taken while
@@ -69,14 +76,13 @@ class Ranger(RAdam):
         eps: added to :math:`\sqrt{v/b_2}`, > 0.
         k: Lookahead synchronisation period, an int >= 1.
         alpha: Lookahead interpolation coefficient, in (0, 1] (1: plain RAdam).
-        decouple_wd: torch-style decoupled decay ``p <- p - lr * wd * p``.
+        decoupled_weight_decay: torch-style decoupled decay ``p <- p - lr * wd * p`` (optimi's ``decouple_wd``).
         maximize: maximize the objective instead.
         decouple_lr, max_lr, kahan_sum, foreach, fp32_state: see :class:`BaseOptimizer`.
     """
 
     _elementwise = False  # Lookahead counts its steps in the state dict
 
-    _decoupled_key = "decouple_wd"
     _eps_on_debiased = True
 
     def __init__(
@@ -88,7 +94,7 @@ class Ranger(RAdam):
         eps: float = 1e-6,
         k: int = 6,
         alpha: float = 0.5,
-        decouple_wd: bool = True,
+        decoupled_weight_decay: bool = True,
         decouple_lr: bool = False,
         max_lr: float | None = None,
         kahan_sum: bool | None = None,
@@ -105,7 +111,7 @@ class Ranger(RAdam):
             eps=eps,
             k=k,
             alpha=alpha,
-            decouple_wd=decouple_wd,
+            decoupled_weight_decay=decoupled_weight_decay,
             decouple_lr=decouple_lr,
             max_lr=max_lr,
             kahan_sum=kahan_sum,

@@ -8,12 +8,14 @@ import torch
 
 from lightning_optim import ops
 from lightning_optim.optim.base import BaseOptimizer, Batch, ParamsT
+from lightning_optim.optim.batch import TensorList
 from lightning_optim.optim.validation import check_flag, check_non_negative, check_unit_interval
+from lightning_optim.renames import FUSED_NOTE, warn_ignored
 
 __all__ = ["SGD", "momentum_direction"]
 
 
-def momentum_direction(group: dict[str, Any], batch: Batch, d: list[torch.Tensor]) -> list[torch.Tensor]:
+def momentum_direction(group: dict[str, Any], batch: Batch, d: TensorList) -> TensorList:
     """torch-SGD's heavy-ball/Nesterov direction from ``d``, updating ``momentum_buffer``.
 
     ``b <- d`` at the first step, else ``b <- mu b + (1 - dampening) d``; returns ``d + mu b``
@@ -52,7 +54,7 @@ class SGD(BaseOptimizer):
 
     _compiled_tensor_lr = True  # the step hands a tensor lr to sgd_at_lr
 
-    _implied_step = 1  # torch's SGD keeps no step count; a momentum buffer means >= 1 step
+    _implied_step: int | None = 1  # torch's SGD keeps no step count; a momentum buffer means >= 1 step
 
     def __init__(
         self,
@@ -76,6 +78,8 @@ class SGD(BaseOptimizer):
     ) -> None:
         if differentiable:
             raise ValueError("differentiable: not supported by lightning_optim.SGD; leave it False")
+        if fused is True:
+            warn_ignored(type(self).__name__, "fused", fused, FUSED_NOTE)
         defaults = dict(
             lr=lr,
             momentum=momentum,

@@ -5,16 +5,16 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import Tensor
 
 from lightning_optim.optim.base import BaseOptimizer, Batch, ParamsT
+from lightning_optim.optim.batch import TensorList
 from lightning_optim.optim.sgd import momentum_direction
 from lightning_optim.optim.validation import check_flag, check_non_negative, check_unit_interval
 
 __all__ = ["SignSGD"]
 
 
-def propagating_sign(xs: list[Tensor]) -> list[Tensor]:
+def propagating_sign(xs: TensorList) -> TensorList:
     """``sign(x)`` per element, NaN where ``x`` is NaN or +-Inf (``sign(x) + 0 * x``).
 
     ``torch.sign(nan)`` is 0: a sign step would freeze a coordinate whose momentum became NaN while

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -11,6 +12,7 @@ from torch import Tensor
 
 from lightning_optim.optim.base import BaseOptimizer, Batch, ParamsT
 from lightning_optim.optim.validation import check_flag, check_int, check_non_negative, check_positive
+from lightning_optim.renames import warn_ignored
 
 __all__ = ["SparsifiedSGD"]
 
@@ -61,11 +63,12 @@ class SparsifiedSGD(BaseOptimizer):
         weight_decay: decay coefficient, >= 0 (see above).
         sparse_grad_size: k, an int >= 1.
         random_sparse: mlbench's flag: random (True) or blockwise (False) selection.
-        mode: "random", "blockwise" or "topk"; overrides ``random_sparse``.
+        mode: "random", "blockwise" or "topk"; overrides ``random_sparse`` (True beside it warns).
         wd_in_memory: route the decay through the memory (the paper's regularised gradient).
-        generator: a ``torch.Generator`` for the draws (None: the global RNG).
-        index_fn: a callable choosing the indices (overrides ``mode``).
-        foreach: accepted for uniformity; the optimizer works tensor by tensor in parameter order.
+        generator: a ``torch.Generator`` for the draws (None: the global RNG; given where nothing is drawn, it warns).
+        index_fn: a callable choosing the indices (overrides ``mode``, which then warns).
+        maximize: maximize the objective instead (the memory collects :math:`-\eta g`).
+        foreach: accepted for uniformity; the optimizer works tensor by tensor in parameter order (True warns).
         kahan_sum, fp32_state: see :class:`BaseOptimizer`.
     """
 
@@ -81,6 +84,7 @@ class SparsifiedSGD(BaseOptimizer):
         wd_in_memory: bool = False,
         generator: torch.Generator | None = None,
         index_fn: IndexFn | None = None,
+        maximize: bool = False,
         foreach: bool | None = None,
         kahan_sum: bool | None = None,
         fp32_state: bool = False,
@@ -90,6 +94,17 @@ class SparsifiedSGD(BaseOptimizer):
             raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
         if index_fn is not None and not callable(index_fn):
             raise TypeError(f"index_fn must be callable or None, got {type(index_fn).__name__}")
+        owner = type(self).__name__
+        if foreach is True:
+            warn_ignored(owner, "foreach", foreach, "it steps tensor by tensor in parameter order, the order its "
+                         "random draws follow")
+        chooser = "index_fn" if index_fn is not None else f"mode={mode!r}"
+        if random_sparse is True and (mode is not None or index_fn is not None):
+            warn_ignored(owner, "random_sparse", random_sparse, f"{chooser} picks the coordinates")
+        if mode is not None and index_fn is not None:
+            warn_ignored(owner, "mode", mode, "index_fn picks the coordinates")
+        if generator is not None and (index_fn is not None or mode == "topk"):
+            warn_ignored(owner, "generator", generator, f"{chooser} draws nothing from it")
         self.generator = generator
         self.index_fn = index_fn
         self._param_pos: dict[int, int] | None = None
@@ -100,6 +115,7 @@ class SparsifiedSGD(BaseOptimizer):
             random_sparse=random_sparse,
             mode=mode,
             wd_in_memory=wd_in_memory,
+            maximize=maximize,
             foreach=foreach,
             kahan_sum=kahan_sum,
             fp32_state=fp32_state,
@@ -195,15 +211,23 @@ class SparsifiedSGD(BaseOptimizer):
         return out
 
     # ------------------------------------------------------------------ state dicts
-    def state_dict(self) -> dict[str, Any]:
-        state_dict = super().state_dict()
+    def _state_dict(self) -> dict[str, Any]:
+        state_dict = super()._state_dict()
         if self.generator is not None:
             state_dict["generator_state"] = self.generator.get_state()
         return state_dict
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        super().load_state_dict(state_dict)
+    def _load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super()._load_state_dict(state_dict)
         self._param_pos = None
         saved = state_dict.get("generator_state")
         if saved is not None and self.generator is not None:
             self.generator.set_state(saved)
+        elif self.generator is not None and state_dict.get("state"):
+            warnings.warn(
+                f"{type(self).__name__}: the state_dict holds optimizer state but no 'generator_state', so the "
+                "draws go on from this generator's own state, not the saved run's (torch.distributed.checkpoint's "
+                "get_optimizer_state_dict keeps only 'state' and 'param_groups')",
+                UserWarning,
+                stacklevel=6,
+            )

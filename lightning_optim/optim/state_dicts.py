@@ -5,8 +5,11 @@ changes: a refused dict leaves the optimizer exactly as it was.
 ``AdamW`` into ``Adam``/``AdamW``/``FusedAdam``/``CPUAdam``, ``SGD`` into ``SGD``/``FusedSGD``,
 ``RAdam`` into ``RAdam``): group keys the source lacks take this optimizer's defaults
 (``bias_correction``, ``decouple_lr``, ``kahan_sum`` ...), torch's implementation flags
-(``capturable``, ``differentiable``, ``fused``) are dropped, torch's tensor ``step`` becomes an int,
-and a state torch leaves empty (``momentum_buffer: None``) counts as no state. The per-param state
+(``capturable``, ``differentiable``, ``fused``) are dropped, every ``step`` (torch's tensor, or the int
+of an older checkpoint) becomes a fresh CPU step tensor (:mod:`.steps`), and a state torch leaves empty
+(``momentum_buffer: None``) counts as no state. A state holding only ``step`` (momentum-free SGD) is
+kept. A saved step that is not a whole number in range (NaN, inf, negative, fractional, a string) is
+refused naming its param and key. The per-param state
 keys must be the ones this optimizer makes for that param with the loaded hyper-parameters (plus
 ``step`` and ``kahan_comp``): another algorithm's dict is refused naming the missing and extra keys.
 
@@ -29,6 +32,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
+from lightning_optim.optim.steps import check_step, new_step
 from lightning_optim.optim.validation import check_generator_state, check_optional_flag
 
 
@@ -56,14 +60,8 @@ _ALWAYS_ALLOWED = {"step", "kahan_comp"}
 
 
 def step_count(value: Any, where: str, key: str = "step") -> int:
-    """A loaded counter (``step``, Ranger's ``la_step``): a whole number >= 0, or a one-element tensor of one."""
-    if isinstance(value, Tensor):
-        if value.numel() != 1:
-            raise ValueError(f"state_dict: {where} {key} must be a number, got a tensor of shape {tuple(value.shape)}")
-        value = value.item()
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value) or value < 0:
-        raise ValueError(f"state_dict: {where} {key} must be a whole number >= 0, got {value!r}")
-    return int(value)
+    """A loaded counter (``step``, Ranger's ``la_step``) as an int; see :func:`.steps.check_step`."""
+    return check_step(value, f"state_dict: {where} {key}")
 
 
 def check_state_tensor(where: str, key: str, value: object, shapes: Sequence[tuple[int, ...]],
@@ -100,11 +98,11 @@ def _convert_entry(opt: BaseOptimizer, live: dict[str, Any], p: Tensor, entry: d
     template = opt._state_template(live, p)
     converted: dict[str, Any] = {}
     if "step" in entry:
-        converted["step"] = step_count(entry["step"], where)
+        converted["step"] = new_step(step_count(entry["step"], where))
     elif opt._per_param_steps:
         if opt._implied_step is None:
             raise ValueError(f"state_dict: {where} has no step count, which {type(opt).__name__} needs")
-        converted["step"] = opt._implied_step
+        converted["step"] = new_step(opt._implied_step)
     for key, value in entry.items():
         if key == "step":
             continue
@@ -134,7 +132,8 @@ def prepare_state_dict(opt: BaseOptimizer, state_dict: dict[str, Any]) -> dict[s
         except ValueError as exc:
             raise ValueError(f"state_dict: {exc}") from None
     if len(saved_groups) != len(opt.param_groups):
-        raise ValueError(f"state_dict: {len(saved_groups)} param groups saved, the optimizer has {len(opt.param_groups)}")
+        raise ValueError(
+            f"state_dict: {len(saved_groups)} param groups saved, the optimizer has {len(opt.param_groups)}")
     groups, state = [], {}
     for gi, (group, saved) in enumerate(zip(opt.param_groups, saved_groups)):
         if len(saved["params"]) != len(group["params"]):
@@ -154,8 +153,9 @@ def prepare_state_dict(opt: BaseOptimizer, state_dict: dict[str, Any]) -> dict[s
         groups.append(merged)
         live = {**merged, "params": group["params"]}
         for p, pid in zip(group["params"], saved["params"]):
-            entry = {k: v for k, v in (saved_state.get(pid) or {}).items() if v is not None}
-            if not entry or set(entry) == {"step"}:
+            # a None state is one torch never made (SGD's momentum_buffer); a None step is refused below
+            entry = {k: v for k, v in (saved_state.get(pid) or {}).items() if v is not None or k == "step"}
+            if not entry:
                 continue
             where = f"param {pid} (group {gi})"
             expected, optional = opt._state_keys(live, p)

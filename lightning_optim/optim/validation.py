@@ -33,14 +33,15 @@ def check_non_negative(name: str, value: object) -> float:
 
 
 def check_lr(value: object, owner: str, *, tensor_ok: bool = True) -> float:
-    """``lr`` in [0, inf): a real number or, where ``tensor_ok``, a 0-dim floating-point tensor (as
-    torch.optim allows, for torch.compile with a scheduler). Returns its value."""
+    """``lr`` in [0, inf): a real number or, where ``tensor_ok``, a one-element floating-point tensor (as
+    torch.optim allows, for torch.compile with a scheduler; kept as given, so a scheduler fills it in place).
+    Returns its value."""
     if isinstance(value, torch.Tensor):
         if not tensor_ok:
-            raise TypeError(f"lr: {owner} takes a float lr, got a tensor (a 0-dim tensor lr is for the "
+            raise TypeError(f"lr: {owner} takes a float lr, got a tensor (a tensor lr is for the "
                             f"single-process optimizers under torch.compile)")
-        if value.dim() != 0 or not value.is_floating_point() or value.requires_grad:
-            raise ValueError(f"lr: a tensor lr must be a 0-dim floating-point tensor without grad, got "
+        if value.numel() != 1 or not value.is_floating_point() or value.requires_grad:
+            raise ValueError(f"lr: a tensor lr must be a one-element floating-point tensor without grad, got "
                              f"shape {tuple(value.shape)}, {value.dtype}, requires_grad={value.requires_grad}")
         return check_non_negative("lr", value.item())
     return check_non_negative("lr", value)

@@ -10,15 +10,17 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Set
 from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["check_bool", "check_callable", "check_count", "check_keys", "check_label", "check_number", "check_optimizer", "check_optimizer_state",
-           "check_tensor_list", "clip_norm", "describe"]
+from lightning_optim.optim.steps import check_step
+
+__all__ = ["check_bool", "check_callable", "check_count", "check_keys", "check_label", "check_number",
+           "check_optimizer", "check_optimizer_state", "check_tensor_list", "clip_norm", "describe"]
 
 
 def describe(value: object) -> str:
@@ -53,9 +55,10 @@ def check_count(name: str, value: object, *, minimum: int = 0, maximum: int | No
     valid = f"[{minimum}, {'inf)' if maximum is None else f'{maximum}]'}"
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name}: must be an int in {valid}, got {describe(value)}")
-    if value < minimum or (maximum is not None and value > maximum):
+    count = int(value)
+    if count < minimum or (maximum is not None and count > maximum):
         raise ValueError(f"{name}: must be in {valid}, got {value}")
-    return int(value)
+    return count
 
 
 def check_bool(name: str, value: object) -> bool:
@@ -97,7 +100,7 @@ def check_tensor_list(name: str, values: object, *, floating: bool = True) -> li
     return out
 
 
-def check_keys(where: str, state: object, required: set[str], optional: set[str] = frozenset()) -> Mapping:
+def check_keys(where: str, state: object, required: Set[Any], optional: Set[Any] = frozenset()) -> Mapping:
     """``state`` is a mapping holding every ``required`` key and nothing beyond ``optional``."""
     if not isinstance(state, Mapping):
         raise TypeError(f"{where}: expected a dict (a state_dict()), got {describe(state)}")
@@ -109,15 +112,6 @@ def check_keys(where: str, state: object, required: set[str], optional: set[str]
     return state
 
 
-def _check_step(where: str, value: object) -> None:
-    if isinstance(value, Tensor):
-        if value.numel() != 1 or value.is_complex() or value.dtype == torch.bool:
-            raise ValueError(f"{where}: a step count must be one real number, got a {value.dtype} tensor of shape "
-                             f"{tuple(value.shape)}")
-        value = value.item()
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)  # torch keeps steps as float tensors
-    check_count(where, value)
 
 
 def check_optimizer_state(optimizer: torch.optim.Optimizer, state: object, where: str) -> None:
@@ -159,8 +153,8 @@ def check_optimizer_state(optimizer: torch.optim.Optimizer, state: object, where
             raise TypeError(f"{where}['state'][{pid!r}]: expected a dict, got {describe(entry)}")
         for key, value in entry.items():
             name = f"{where}['state'][{pid!r}][{key!r}]"
-            if key == "step":
-                _check_step(name, value)
+            if key == "step":  # torch keeps it as a float tensor, older checkpoints as an int
+                check_step(value, name)
             elif isinstance(value, Tensor) and value.dim() > 0:
                 kind_ok = value.is_complex() if p.is_complex() else value.is_floating_point()
                 if not kind_ok:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -198,7 +198,7 @@ class FP16Optimizer:
         _check_flat(self.fp32_params, self.fp16_model)  # the model's trained params are still those of the master
         divisor = self._divisor(denom)
         self.fp16_to_fp32_flat_grad(self.fp32_params, self.fp16_model)
-        grad = self.fp32_params.grad
+        grad = cast(Tensor, self.fp32_params.grad)  # just filled
         self._aggregate(grad, divisor)
         _record(tracker, "record_batch_agg")
         if multiplier != 1:

@@ -22,7 +22,14 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_optim.precision._checks import check_keys, check_label, check_number, check_optimizer, clip_norm, describe
+from lightning_optim.precision._checks import (
+    check_keys,
+    check_label,
+    check_number,
+    check_optimizer,
+    clip_norm,
+    describe,
+)
 from lightning_optim.precision.loss_scaler import DynamicLossScaler, found_non_finite
 
 __all__ = ["MasterWeights"]
@@ -43,7 +50,8 @@ def _flatten(params: Any) -> list[tuple[str, Tensor]]:
     """Every entry of ``params`` (tensors, ``(name, tensor)`` pairs or torch-style group dicts), labelled."""
     if isinstance(params, Tensor):
         raise TypeError(f"params: expected an iterable of Tensors (e.g. model.parameters()), got a single Tensor of "
-                        f"shape {tuple(params.shape)}: iterating it would give its rows (as torch.optim, pass [tensor])")
+                        f"shape {tuple(params.shape)}: iterating it would give its rows "
+                        "(as torch.optim, pass [tensor])")
     if isinstance(params, (str, bytes, Mapping)) or not isinstance(params, Iterable):
         raise TypeError(f"params: expected an iterable of Tensors (e.g. model.parameters()), got {describe(params)}")
     out = []
@@ -146,7 +154,8 @@ class MasterWeights:
                 swapped.append(m)
             group["params"] = swapped
         if getattr(optimizer, "writes_param_copies", False):
-            optimizer.set_param_copies([(m, p) for p, m in self._copied])
+            # duck-typed: an optimizer that writes param copies takes them (BaseOptimizer is one)
+            optimizer.set_param_copies([(m, p) for p, m in self._copied])  # type: ignore[attr-defined]
         for attr in ("_group_index", "_layout"):
             if getattr(optimizer, attr, None) is not None:
                 setattr(optimizer, attr, None)  # lookups keyed by the old params
@@ -189,9 +198,9 @@ class MasterWeights:
                 buffer = self._grad_buffers.get(id(m))
                 if buffer is None:
                     buffer = self._grad_buffers[id(m)] = torch.empty_like(m)
-                m.grad = buffer.copy_(g)
+                g = m.grad = buffer.copy_(g)
                 p.grad = None
-            grads.append(m.grad)
+            grads.append(g)
         return found_non_finite(grads, inv_scale)
 
     @torch.no_grad()
@@ -249,7 +258,8 @@ class MasterWeights:
         check_keys(where, state, {"masters"})
         saved = state["masters"]
         if not isinstance(saved, (list, tuple)):
-            raise TypeError(f"{where}['masters']: expected a list of {len(self._copied)} tensors, got {describe(saved)}")
+            raise TypeError(
+                f"{where}['masters']: expected a list of {len(self._copied)} tensors, got {describe(saved)}")
         if len(saved) != len(self._copied):
             raise ValueError(f"{where}['masters']: expected {len(self._copied)} master tensors, got {len(saved)}")
         for i, ((_, m), t, label) in enumerate(zip(self._copied, saved, self._copied_labels)):

@@ -5,13 +5,16 @@
 For each case of CASES (no compressor; int8 with per-rank residuals): a ``full`` run of STEPS optimizer steps
 (2 accumulated micro-batches each, StepLR, ``clip_grad_norm_``) that calls ``accelerator.save_state`` after
 step SAVE_AT (between two synchronisations), then a ``resumed`` run in fresh objects (another initial model)
-that ``load_state``s it and trains the remaining steps. Then one refusal under DDP (a foreign comm hook). Each
-rank writes OUT/rank<r>.pt: per step the params, the bytes (comm_stats and the kernel's socket counters), the
-loss and the learning rate.
+that ``load_state``s it and trains the remaining steps. Then one refusal under DDP (a foreign comm hook), and the
+ends of short runs (SHORT): ``max_steps`` past a sync (``finish`` by itself after the last step), the same with
+``handle.finish()`` called after the loop, and a run shorter than ``sync_every`` with ``final_sync=False`` (the
+warnings each rank gave). Each rank writes OUT/rank<r>.pt: per step the params, the bytes (comm_stats and the
+kernel's socket counters), the loss and the learning rate.
 """
 
 import gc
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -72,6 +75,48 @@ def train(compressor, rank: int, ckpt: Path, resume: bool) -> dict:
     return result
 
 
+SHORT = {"max_steps": dict(sync_every=SYNC_EVERY, max_steps=SAVE_AT), "finish": dict(sync_every=SYNC_EVERY),
+         "apart": dict(sync_every=2 * SYNC_EVERY, max_steps=3, final_sync=False)}
+
+
+def short_run(rank: int, name: str) -> dict:
+    """``train``'s loop (fresh objects, no checkpoint) for SHORT[name]'s run length; the params after each step
+    and after the run's end, and the warnings this rank gave."""
+    kwargs = dict(SHORT[name])
+    steps = kwargs.get("max_steps", SAVE_AT)
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=MICRO)
+    model = build_model(seed=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=10, gamma=0.5)
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    rows = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        handle = accel_plugins.enable_diloco(accelerator, model, optimizer, **kwargs)
+        for step in range(steps):
+            lr = optimizer.param_groups[0]["lr"]
+            for micro in range(MICRO):
+                x, y = batch(step, micro, rank)
+                with accelerator.accumulate(model):
+                    accelerator.backward(nn.functional.mse_loss(model(x), y))
+                    if accelerator.sync_gradients:
+                        accelerator.clip_grad_norm_(model.parameters(), MAX_NORM)
+                    optimizer.step()
+                    scheduler.step()
+                    optimizer.zero_grad()
+            rows.append({"step": step + 1, "lr": lr, "params": flat(model)})
+        sent = comm_stats().bytes_sent
+        finished = handle.finish() if name == "finish" else None
+        result = {"rows": rows, "end": flat(model), "finished": finished,
+                  "finish_bytes": comm_stats().bytes_sent - sent}
+    result["warnings"] = [str(w.message) for w in caught if "enable_diloco" in str(w.message)]
+    handle.close()
+    accelerator.free_memory()
+    del model, optimizer, scheduler, handle
+    gc.collect()
+    return result
+
+
 def foreign_hook_refused() -> dict:
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
@@ -100,6 +145,7 @@ for name, compressor in CASES.items():
     results[name] = {"full": train(compressor, rank, out / f"ckpt_{name}", resume=False)}
     results[name]["resumed"] = train(compressor, rank, out / f"ckpt_{name}", resume=True)
 results["foreign_hook"] = foreign_hook_refused()
+results["short"] = {name: short_run(rank, name) for name in SHORT}
 torch.save(results, out / f"rank{rank}.pt")
 accelerator.wait_for_everyone()
 accelerator.end_training()  # destroys the process group: exiting with a live gloo group can abort at teardown

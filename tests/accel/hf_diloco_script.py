@@ -20,7 +20,9 @@ resumed run.
 """
 
 import gc
+import shutil
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -34,6 +36,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout, wh
 from tests.accel.hf_route import ScriptArguments, training_data, use_route  # noqa: E402
 from tests.accel.phases import split_phases, start_phase  # noqa: E402
 from tests.wire import wire_bytes_sent  # noqa: E402
+
+
+@dataclass
+class DropRankState:
+    """``--drop_rank_state R``: resume from a copy of ``--resume_from_checkpoint`` without ``diloco_rank<R>.pt``
+    (a rank whose file went missing), made by rank 0 in OUTPUT_DIR/checkpoint-copy before the Trainer starts."""
+
+    drop_rank_state: int | None = field(default=None)
+
+
+def _copy_without_rank_state(checkpoint: str, output_dir: str, rank: int) -> str:
+    copy = Path(output_dir) / "checkpoint-copy"
+    if torch.distributed.get_rank() == 0:
+        shutil.copytree(checkpoint, copy, ignore=shutil.ignore_patterns(f"diloco_rank{rank}.pt"))
+    torch.distributed.barrier()
+    return str(copy)
 
 
 class Recorder(transformers.TrainerCallback):
@@ -55,13 +73,17 @@ def run_phase() -> None:
     """One user's run: parse the whole command line (``sys.argv``), train, save this rank's result."""
     start_phase()
     arguments_class, trainer_class = use_route()
-    parser = HfArgumentParser((arguments_class, accel_plugins.hf.DiLoCoArguments, ScriptArguments))
-    args, diloco_args, _ = parser.parse_args_into_dataclasses()
+    parser = HfArgumentParser((arguments_class, accel_plugins.hf.DiLoCoArguments, ScriptArguments, DropRankState))
+    args, diloco_args, _, drop = parser.parse_args_into_dataclasses()
+    if drop.drop_rank_state is not None:
+        args.resume_from_checkpoint = _copy_without_rank_state(args.resume_from_checkpoint, args.output_dir,
+                                                               drop.drop_rank_state)
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=32, n_embd=32, n_layer=1, n_head=2))
     diloco = diloco_args.callback()
     recorder = Recorder()
-    trainer = trainer_class(model=model, args=args, train_dataset=training_data(max_bytes=100_000), callbacks=[diloco, recorder])
+    trainer = trainer_class(model=model, args=args, train_dataset=training_data(max_bytes=100_000),
+                            callbacks=[diloco, recorder])
     trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     torch.save({"params": [p.detach().clone() for p in model.parameters()], "trainer": type(trainer).__module__,
                 "rows": recorder.rows, "log": trainer.state.log_history, "inner_steps": diloco.diloco.inner_steps,

@@ -3,7 +3,9 @@ three synchronisations (sync_every=4, 12 optimizer steps of 2 accumulated micro-
 single-process DiLoCo reference (tests/reference/diloco.py), are equal on both ranks right after each sync and
 differ between; the kernel's socket counters see nothing between syncs (DDP's gradient all-reduce is gone) and
 at each sync what comm_stats counts; a save_state/load_state between two syncs resumes bitwise (also with int8
-residuals, per rank). Argument refusals run in this process."""
+residuals, per rank). A run that ends between syncs ends with one more (``max_steps``, or ``handle.finish()``
+after the loop) and one model on both ranks, as the reference's final sync; ``final_sync=False`` and a run shorter
+than ``sync_every`` are named on rank 0. Argument refusals run in this process."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from torch import nn
 
 pytest.importorskip("accelerate")
 
+from lightning_optim.comm.stats import ring_allreduce_bytes
 from tests.accel.diloco_data import LR, MAX_NORM, MICRO, SAVE_AT, STEPS, SYNC_EVERY, WEIGHT_DECAY, batch, \
     build_model  # noqa: E402
 from tests.distributed import torchrun_results  # noqa: E402
@@ -33,8 +36,9 @@ def ranks(tmp_path_factory):
     return results
 
 
-def _reference(rows: list[dict], initial: torch.Tensor) -> list[torch.Tensor]:
-    """Two simulated workers with the ranks' data, learning rates, accumulation and clipping; params per step."""
+def _reference(rows: list[dict], initial: torch.Tensor, steps: int = STEPS, finish: bool = False) -> list[torch.Tensor]:
+    """Two simulated workers with the ranks' data, learning rates, accumulation and clipping; params per step
+    (and, with ``finish``, after the final sync)."""
     module = build_model(0)
     names = [n for n, _ in module.named_parameters()]
     shapes = [p.shape for p in module.parameters()]
@@ -50,8 +54,11 @@ def _reference(rows: list[dict], initial: torch.Tensor) -> list[torch.Tensor]:
         torch.nn.utils.clip_grad_norm_(params, MAX_NORM)
 
     per_step = []
-    for _ in range(STEPS):
+    for _ in range(steps):
         ref.step(grads)
+        per_step.append([torch.cat([p.detach().reshape(-1) for p in worker]) for worker in ref.workers])
+    if finish:
+        ref.finish()
         per_step.append([torch.cat([p.detach().reshape(-1) for p in worker]) for worker in ref.workers])
     return per_step
 
@@ -98,6 +105,33 @@ def test_save_state_load_state_between_syncs_resumes_bitwise(ranks, case):
                            ranks[1][case]["full"]["rows"][SAVE_AT - 1]["params"])
 
 
+def test_a_run_that_ends_between_syncs_ends_with_one_more_sync(ranks):
+    initial = ranks[0]["plain"]["full"]["initial"]
+    for name in ("max_steps", "finish"):  # 6 steps, sync_every 4: apart after the last step
+        runs = [r["short"][name] for r in ranks]
+        expected = _reference(runs[0]["rows"], initial, steps=SAVE_AT, finish=True)
+        assert torch.equal(runs[0]["end"], runs[1]["end"])
+        for rank in range(2):
+            torch.testing.assert_close(runs[rank]["end"], expected[-1][rank], rtol=0, atol=1e-6)
+            assert runs[rank]["warnings"] == []
+    finish = [r["short"]["finish"] for r in ranks]
+    assert not torch.equal(finish[0]["rows"][-1]["params"], finish[1]["rows"][-1]["params"])
+    assert finish[0]["finished"] is True  # the flag, then the ring all-reduce of the whole model
+    assert finish[0]["finish_bytes"] == ring_allreduce_bytes(1, 2, 8) + ring_allreduce_bytes(initial.numel(), 2)
+    # max_steps finishes inside the last step, with the same result as finish() after the loop
+    assert torch.equal(ranks[0]["short"]["max_steps"]["rows"][-1]["params"], finish[0]["end"])
+
+
+def test_final_sync_false_and_a_run_shorter_than_sync_every_are_named_on_rank_0(ranks):
+    apart = [r["short"]["apart"] for r in ranks]
+    assert not torch.equal(apart[0]["end"], apart[1]["end"]) and apart[1]["warnings"] == []
+    start, end = apart[0]["warnings"]
+    assert start.startswith(f"enable_diloco: sync_every={2 * SYNC_EVERY}, but this run ends at inner step 3 and the "
+                            f"first synchronisation would follow step {2 * SYNC_EVERY}: the ranks never average")
+    assert end.startswith(f"enable_diloco: the run ends after inner step 3, between two synchronisations (sync_every="
+                          f"{2 * SYNC_EVERY}): the params differ between the ranks")
+
+
 def test_a_foreign_comm_hook_is_refused_before_anything_changes(ranks):
     for result in ranks:
         refused = result["foreign_hook"]
@@ -112,7 +146,8 @@ BAD_ARGUMENTS = [
     ("outer_momentum", 1.0, ValueError), ("outer_momentum", -0.1, ValueError),
     ("nesterov", "yes", TypeError), ("fragments", 0, ValueError), ("fragments", 3, ValueError),
     ("overlap", 1, TypeError), ("mixing", 0.5, ValueError), ("compressor", "int2", ValueError),
-    ("compressor", 8, TypeError),
+    ("compressor", 8, TypeError), ("final_sync", 1, TypeError), ("final_sync", "yes", TypeError),
+    ("max_steps", 0, ValueError), ("max_steps", 2.5, TypeError),
 ]
 
 
@@ -191,4 +226,41 @@ def test_one_process_trains_locally_through_diloco(tmp_path):
     accelerator.load_state(str(tmp_path))
     assert all(torch.equal(a, b) for a, b in zip(saved, model.parameters()))
     assert handle.diloco.inner_steps == 3
+    handle.close()
+
+
+RANK_FILE_CORRUPTIONS = [("world_size", v) for v in ("x", -1, float("nan"), 1.5, True, 0)] + \
+    [("rank", v) for v in ("x", -1, float("nan"), True, 1)] + [("optimizer", "x"), ("model", {})]
+
+
+def test_a_corrupted_rank_file_is_refused_by_key_and_changes_nothing(tmp_path):
+    """Every field of ``diloco_rank<r>.pt`` (the optimizer's own fields: tests/distributed_optim/test_load_probe.py)
+    mutated in turn: ``accelerator.load_state`` refuses it naming the field; DiLoCo and the params stay as they were."""
+    import io
+
+    import accel_plugins
+
+    accelerator, model, optimizer = _prepared()
+    handle = accel_plugins.enable_diloco(accelerator, model, optimizer, sync_every=2)
+    for _ in range(3):
+        accelerator.backward(model(torch.ones(3, 4)).square().sum())
+        optimizer.step()
+        optimizer.zero_grad()
+    accelerator.save_state(str(tmp_path))
+    path = tmp_path / "diloco_rank0.pt"
+    good = torch.load(path, weights_only=True)
+
+    def snapshot():
+        blob = io.BytesIO()
+        torch.save(handle.diloco.state_dict(), blob)
+        return blob.getvalue(), [p.detach().clone() for p in model.parameters()]
+
+    before = snapshot()
+    shaped = {**good["model"], "weight": torch.zeros(3, 4)}
+    for key, bad in [*RANK_FILE_CORRUPTIONS, ("model", shaped)]:
+        torch.save({**good, key: bad}, path)
+        with pytest.raises((TypeError, ValueError), match=key):
+            accelerator.load_state(str(tmp_path))
+        after = snapshot()
+        assert after[0] == before[0] and all(torch.equal(a, b) for a, b in zip(after[1], before[1])), (key, bad)
     handle.close()

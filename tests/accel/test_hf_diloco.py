@@ -4,8 +4,10 @@ CPU), 12 optimizer steps of 2 accumulated micro-batches, sync_every=4: the prepa
 DiLoCo over HF's AdamW; the ranks' params agree right after each sync and differ between; the kernel's socket
 counters see nothing between syncs inside the steps (no DDP gradient all-reduce) and comm_stats' bytes at syncs;
 ``resume_from_checkpoint`` from checkpoint-6 (between syncs; written by ``accel_plugins.hf.Trainer``, resumed by
-the stock Trainer after ``register()``) continues bitwise on both ranks; the two runs are phases of one launch
-(tests/accel/phases.py). Refusals run in this process."""
+the stock Trainer after ``register()``) continues bitwise on both ranks; resumed from a copy of it without rank 1's
+``diloco_rank1.pt``, rank 1 continues DiLoCo's schedule from rank 0's saved state with a warning (no restart at
+inner step 0) while rank 0 resumes its own; the runs are phases of one launch (tests/accel/phases.py). Refusals run
+in this process."""
 
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ SCRIPT = Path(__file__).with_name("hf_diloco_script.py")
 REPO = Path(__file__).resolve().parents[2]
 STEPS, SYNC_EVERY, SAVE_AT = 12, 4, 6
 SYNCS = [s for s in range(1, STEPS + 1) if s % SYNC_EVERY == 0]
+SHORT = SYNC_EVERY + 2  # a run past a sync that ends between two
 COMMON = ["--diloco_sync_every", str(SYNC_EVERY), "--max_steps", str(STEPS), "--save_steps", str(SAVE_AT),
           "--logging_steps", "4", "--per_device_train_batch_size", "8", "--gradient_accumulation_steps", "2",
           "--learning_rate", "3e-3", "--use_cpu", "--report_to", "none", "--seed", "0",
@@ -38,11 +41,16 @@ def _phase(out: Path, *extra: str) -> list[str]:
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("hf_diloco")
     checkpoint = tmp / "full" / f"checkpoint-{SAVE_AT}"
-    run_phases(SCRIPT, [_phase(tmp / "full"),
-                        _phase(tmp / "resumed", "--trainer", "stock", "--resume_from_checkpoint", str(checkpoint))],
-               cwd=REPO)
+    resume = ("--resume_from_checkpoint", str(checkpoint))
+    done = run_phases(SCRIPT, [_phase(tmp / "full"), _phase(tmp / "resumed", "--trainer", "stock", *resume),
+                               _phase(tmp / "partial", *resume, "--drop_rank_state", "1"),
+                               _phase(tmp / "ends_apart", "--max_steps", str(SHORT)),
+                               _phase(tmp / "kept_apart", "--max_steps", "3", "--diloco_sync_every", "8",
+                                      "--diloco_final_sync", "False")], cwd=REPO)
     return {"full": rank_results(tmp / "full", "result"), "resumed": rank_results(tmp / "resumed", "result"),
-            "checkpoint": checkpoint}
+            "partial": rank_results(tmp / "partial", "result"), "checkpoint": checkpoint, "stderr": done.stderr,
+            "ends_apart": rank_results(tmp / "ends_apart", "result"),
+            "kept_apart": rank_results(tmp / "kept_apart", "result")}
 
 
 def test_the_trainer_steps_through_diloco_and_the_ranks_agree_right_after_each_sync(runs):
@@ -87,6 +95,42 @@ def test_resume_from_checkpoint_between_syncs_is_bitwise(runs):
         assert all(torch.equal(a, b) for a, b in zip(full["params"], resumed["params"]))
 
 
+def test_a_rank_without_its_file_resumes_from_rank_0s_saved_state_with_a_warning(runs):
+    partial, full = runs["partial"], runs["full"]
+    for result in partial:  # DiLoCo's schedule carried on: syncs after steps 8 and 12, not 4 steps after resuming
+        assert result["inner_steps"] == STEPS
+        assert [r["step"] for r in result["rows"]] == list(range(SAVE_AT + 1, STEPS + 1))
+    for a, b in zip(partial[0]["rows"], partial[1]["rows"]):
+        assert torch.equal(a["params"], b["params"]) == (a["step"] in SYNCS), a["step"]
+    # rank 0 read its own file: its local steps up to the next sync are the uninterrupted run's, bitwise
+    assert torch.equal(partial[0]["rows"][0]["params"], full[0]["rows"][SAVE_AT]["params"])
+    missing = [line for line in runs["stderr"].splitlines() if "diloco_rank1.pt is missing" in line]
+    assert missing and all("resumes DiLoCo (inner step 6) from the optimizer state saved by rank 0" in m
+                           for m in missing), runs["stderr"][-3000:]
+    assert "diloco_rank0.pt is missing" not in runs["stderr"]
+
+
+def test_a_run_that_ends_between_syncs_ends_with_one_more(runs):
+    """``max_steps`` 6, sync_every 4: apart after steps 5 and 6, one model on both ranks after train()."""
+    ends = runs["ends_apart"]
+    for a, b in zip(ends[0]["rows"], ends[1]["rows"]):
+        assert torch.equal(a["params"], b["params"]) == (a["step"] == SYNC_EVERY), a["step"]
+    assert all(torch.equal(a, b) for a, b in zip(ends[0]["params"], ends[1]["params"]))
+    assert not all(torch.equal(a, b) for a, b in zip(ends[0]["params"], ends[0]["rows"][-1]["params"].split(
+        [p.numel() for p in ends[0]["params"]])))  # the final sync moved the params
+
+
+def test_final_sync_false_and_a_run_shorter_than_sync_every_are_named_once(runs):
+    kept = runs["kept_apart"]
+    assert not all(torch.equal(a, b) for a, b in zip(kept[0]["params"], kept[1]["params"]))
+    for words in (("DiLoCoCallback: sync_every=8, but this run ends at inner step 3 and the first synchronisation "
+                   "would follow step 8: the ranks never average"),
+                  ("DiLoCoCallback: the run ends after inner step 3, between two synchronisations (sync_every=8): the "
+                   "params differ between the ranks")):
+        assert runs["stderr"].count(words) == 1, words  # rank 0 only
+    assert "DiLoCoCallback: sync_every=4, but" not in runs["stderr"]  # the other runs reach their syncs
+
+
 # ---------------------------------------------------------------------- refusals in this process
 BAD = [("sync_every", "0"), ("outer_lr", "0"), ("outer_lr", "-1"), ("outer_momentum", "1"),
        ("fragments", "3"), ("mixing", "0.5"), ("compressor", "int2")]
@@ -110,6 +154,32 @@ def test_the_callback_checks_its_arguments_and_refuses_to_run_uninstalled():
         DiLoCoCallback(sync_every=0)
     with pytest.raises(TypeError, match="^nesterov"):
         DiLoCoCallback(sync_every=4, nesterov="yes")
+    with pytest.raises(TypeError, match=r"^final_sync must be True or False"):
+        DiLoCoCallback(sync_every=4, final_sync="yes")
     assert DiLoCoArguments().callback() is None  # --diloco_sync_every unset: no DiLoCo
     with pytest.raises(RuntimeError, match="accel_plugins.hf.register"):  # a stock Trainer without register()
         DiLoCoCallback(sync_every=4).on_step_begin(None, None, None)
+
+
+OTHER_OPTIONS = [("outer_lr", "-1"), ("outer_lr", "0.5"), ("outer_momentum", "0.5"), ("nesterov", "False"),
+                 ("fragments", "2"), ("overlap", "True"), ("mixing", "0.3"), ("compressor", "int8"),
+                 ("final_sync", "False")]
+
+
+def test_the_sweep_covers_every_diloco_option():
+    from dataclasses import fields
+
+    from accel_plugins.hf import DiLoCoArguments
+
+    assert {f"diloco_{name}" for name, _ in OTHER_OPTIONS} == {f.name for f in fields(DiLoCoArguments)} - {
+        "diloco_sync_every"}
+
+
+@pytest.mark.parametrize("name, value", OTHER_OPTIONS, ids=[f"{n}={v}" for n, v in OTHER_OPTIONS])
+def test_a_diloco_option_without_sync_every_is_refused_not_ignored(name, value):
+    from transformers import HfArgumentParser
+
+    from accel_plugins.hf import DiLoCoArguments
+
+    with pytest.raises(ValueError, match=rf"^diloco_sync_every: unset \(no DiLoCo\), but --diloco_{name} "):
+        HfArgumentParser(DiLoCoArguments).parse_args_into_dataclasses([f"--diloco_{name}", value])

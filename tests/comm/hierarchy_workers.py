@@ -6,10 +6,13 @@ import warnings
 
 import torch
 
+import torch.distributed as dist
+
 from lightning_optim.comm import CommStats, compressed_allreduce, make_error_buffers
 from lightning_optim.comm.compressors.hierarchical import HierarchicalOnebitCompressor
 from tests.comm.workers import make_inputs, segment_scales
 from tests.onebit.workers import CONFIGS, build, init_params, rank_grads
+from tests.wire import wire_bytes_sent
 
 CALLS = 8
 LENGTHS = [3, 1001, 4099]  # below L, odd (the last shard padded), large
@@ -95,3 +98,36 @@ def optimizer_suite(rank, world, name):
         history.append([p.detach().clone() for p in params])
     return {"params": history, "errors": (opt.compressor.worker_error.clone(), opt.compressor.server_error.clone()),
             "onebit_state": opt.state_dict()["onebit"]}
+
+
+WIRE_NUMEL = 200_003  # odd: the last shard padded; large enough that a miscounted shard is 400 KB off
+
+
+def _on_the_wire(call) -> tuple[int, int | None]:
+    """(bytes counted in the CommStats ``call`` fills, bytes this process's gloo sockets sent meanwhile), between
+    barriers (whose few bytes land in the wire figure); the wire figure is None without ``ss``."""
+    stats = CommStats()
+    dist.barrier()
+    before = wire_bytes_sent()
+    call(stats)
+    dist.barrier()
+    after = wire_bytes_sent()
+    return stats.bytes_sent, None if before is None or after is None else after - before
+
+
+def wire_suite(rank, world):
+    """Counted vs sent, per call, after a first call (which makes the node groups and agrees on the layout):
+    the fp32 hierarchical mean and the 1-bit exchange as 2 nodes of 2, one node of 4, and a plain all-reduce."""
+    x = torch.randn(WIRE_NUMEL, generator=torch.Generator().manual_seed(rank))
+    out = {}
+    cases = {"hier_fp32": (HierarchicalOnebitCompressor(2), "average_flat_"),
+             "hier_1bit": (HierarchicalOnebitCompressor(2), "reduce_flat_"),
+             "one_node_fp32": (HierarchicalOnebitCompressor(4), "average_flat_")}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the one-node warning: test_hierarchy checks it elsewhere
+        for name, (compressor, method) in cases.items():
+            average = getattr(compressor, method)
+            average(x.clone())  # groups, agreements, error buffers
+            out[name] = _on_the_wire(lambda stats, average=average: average(x.clone(), stats=stats))
+    out["flat_all_reduce"] = _on_the_wire(lambda stats: dist.all_reduce(x.clone()))
+    return out

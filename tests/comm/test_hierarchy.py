@@ -1,14 +1,16 @@
 """Hierarchical averaging on 4 real gloo ranks as 2 nodes of 2, against the single-process simulation
 (``tests/reference/hierarchical_allreduce.py``): every rank's result, every rank's error buffers, the bytes
-inside and across nodes; other node sizes; refusals on every rank."""
+inside and across nodes (also against the kernel's socket counters: gloo's reduce-scatter sends a whole
+all-reduce's bytes); other node sizes; refusals on every rank."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from lightning_optim.comm import compressed_bytes
-from lightning_optim.comm.stats import ring_allreduce_bytes
-from tests.comm.hierarchy_workers import CALLS, LENGTHS, SEGMENTS, compressor_suite, optimizer_suite
+from lightning_optim.comm.stats import reduce_scatter_bytes, ring_allreduce_bytes
+from tests.comm.hierarchy_workers import (CALLS, LENGTHS, SEGMENTS, WIRE_NUMEL, compressor_suite, optimizer_suite,
+                                          wire_suite)
 from tests.comm.workers import make_inputs, segment_scales
 from tests.distributed import run_workers
 from tests.onebit.workers import COMMON, CONFIGS, LRS, MASKS, init_params, rank_grads
@@ -59,8 +61,11 @@ def test_bytes_inside_and_across_nodes(ranks, numel):
     shard = -(-numel // PER_NODE)
     for r in range(WORLD):
         stats = ranks[r][numel]["stats"]
-        # reduce-scatter and all-gather inside the node: (L - 1) shards of fp32 each, per call
-        assert stats["intra_node_bytes"] == CALLS * 2 * (PER_NODE - 1) * shard * 4
+        # inside the node, per call: gloo's reduce-scatter all-reduces the L padded shards (2 (L - 1) shards
+        # sent), the all-gather sends (L - 1) shards
+        assert stats["intra_node_bytes"] == CALLS * 3 * (PER_NODE - 1) * shard * 4
+        assert stats["intra_node_bytes"] == CALLS * (reduce_scatter_bytes(PER_NODE * shard, PER_NODE, 4, "gloo")
+                                                     + (PER_NODE - 1) * shard * 4)
         pieces = cut([numel], (r % PER_NODE) * shard, min(numel, (r % PER_NODE + 1) * shard), shard)
         across = compressed_bytes(shard, NODES, pieces)
         assert stats["inter_node_bytes"] == CALLS * across
@@ -87,7 +92,30 @@ def test_one_node_is_the_exact_mean_and_nodes_of_one_the_flat_allreduce(ranks):
         # said once, by rank 0, when the groups are made
         assert ranks[r]["one_node"]["warnings"] == ([
             "hierarchical: the 4 ranks are one node of 4; every exchange is the exact fp32 mean inside it and nothing "
-            "is compressed (hierarchical=False for the flat 1-bit exchange)"] if r == 0 else [])
+            "is compressed, and it sends 1.5x the bytes of DDP's flat fp32 all-reduce (gloo's reduce-scatter sends a "
+            "whole all-reduce's bytes, and the all-gather follows it) (hierarchical=False for the flat 1-bit "
+            "exchange)"] if r == 0 else [])
+        # what the warning says: 1.5x a flat fp32 ring all-reduce of the same vector, counted
+        assert stats["bytes_sent"] == 3 * int(1.5 * ring_allreduce_bytes(1001 + 3, WORLD))  # 1001 padded to 4 x 251
+
+
+def test_counted_bytes_are_the_bytes_on_the_wire():
+    """Each rank's CommStats against what its gloo sockets sent (the kernel's counters), per call: gloo frames
+    its messages in a few hundred bytes; a reduce-scatter counted at the ring's size would be 400 KB short."""
+    got = run_workers(WORLD, wire_suite, timeout=240)
+    if any(row[1] is None for r in got for row in r.values()):
+        pytest.skip("no `ss` to read the sockets' byte counters")
+    shard = -(-WIRE_NUMEL // PER_NODE)
+    for r in range(WORLD):
+        for name in ("hier_fp32", "hier_1bit", "one_node_fp32"):
+            counted, wire = got[r][name]
+            assert counted <= wire <= counted * 1.01 + 4096, (r, name, counted, wire)
+        counted, wire = got[r]["hier_fp32"]
+        # inside the node 3 (L - 1) shards of fp32, across (the fp32 ring over K = 2 nodes) one shard
+        assert counted == 3 * (PER_NODE - 1) * shard * 4 + ring_allreduce_bytes(shard, NODES)
+        # one node of 4: 1.5x the flat all-reduce, on the wire too
+        flat_wire = got[r]["flat_all_reduce"][1]
+        assert 1.45 < got[r]["one_node_fp32"][1] / flat_wire < 1.55, (got[r]["one_node_fp32"][1], flat_wire)
 
 
 def test_bad_node_sizes_are_refused_on_every_rank(ranks):
@@ -119,3 +147,16 @@ def test_optimizers_match_the_reference_with_hierarchical_exchange(name):
         assert (onebit["world_size"], onebit["rank"], onebit["per_node"]) == (WORLD, r, PER_NODE)
         if name != "zoadam":
             torch.testing.assert_close(got[r]["errors"][0], ref.w.allreduce.worker_error(r), **TOL)
+
+
+@pytest.mark.parametrize("per_node", [2, 3, 4, 8])
+def test_the_counting_rule_per_backend(per_node):
+    """NCCL's reduce-scatter is a ring ((L-1)/L of the input); gloo's an all-reduce of all of it. One node
+    (reduce-scatter + all-gather) against a flat ring all-reduce: 1.5x on gloo, 1.0x on NCCL (the warning's)."""
+    from lightning_optim.comm.hierarchy import one_node_ratio
+
+    n = per_node * 1000
+    assert reduce_scatter_bytes(n, per_node, 4, "nccl") == (per_node - 1) * 1000 * 4
+    assert reduce_scatter_bytes(n, per_node, 4, "gloo") == ring_allreduce_bytes(n, per_node)
+    assert reduce_scatter_bytes(n, 1, 4, "gloo") == 0
+    assert one_node_ratio(per_node, "gloo") == 1.5 and one_node_ratio(per_node, "nccl") == 1.0

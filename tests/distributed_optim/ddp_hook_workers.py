@@ -28,9 +28,9 @@ CASES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     "topk_small_buckets": ("topk", dict(ratio=0.25), dict(bucket_cap_mb=1e-4)),
     "randomk_shared": ("randomk", dict(ratio=0.3, seed=3), {}),
     "randomk_own": ("randomk", dict(ratio=0.3, seed=3, shared_indices=False), {}),
-    "signsgd": ("signsgd", {}, {}),
-    "signsgd_small_buckets": ("signsgd", {}, dict(bucket_cap_mb=1e-4)),
-    "majority": ("signsgd", dict(majority_vote=True, error_feedback=False), {}),
+    "signsgd": ("sign_sgd", {}, {}),
+    "signsgd_small_buckets": ("sign_sgd", {}, dict(bucket_cap_mb=1e-4)),
+    "majority": ("sign_sgd", dict(majority_vote=True, error_feedback=False), {}),
 }
 POWERSGD = dict(matrix_approximation_rank=1, start_powerSGD_iter=2, min_compression_rate=1.0, random_seed=5)
 # two buckets of two params after DDP's rebuild, compressed from the third step on, rank 2

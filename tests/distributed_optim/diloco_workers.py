@@ -201,3 +201,58 @@ def construction_bytes(rank: int, world: int) -> dict:
         out[case] = {"bytes": sent.bytes_sent, "control_calls": sent.control_calls,
                      "global": [g.clone() for g in opt.global_params], "numel": sum(p.numel() for p in params)}
     return out
+
+
+# config -> inner steps before finish(): each past a synchronisation and between two ("int8": fragment 0 has just
+# synchronised after step 6, fragment 1 not; "overlap"/"streaming": an exchange still in flight)
+FINISH = {"plain": 8, "overlap": 6, "streaming": 8, "int8": 6}
+
+
+def _stepped(name: str, rank: int, steps: int, group=None, **kw):
+    params = [p.requires_grad_() for p in init_params()]
+    cfg = CONFIGS[name]
+    opt = DiLoCo(make_inner(cfg["inner"], params), **{**cfg["kw"], **kw},
+                 compressor=build_compressor(cfg.get("compressor")), process_group=group)
+    _steps(opt, params, rank, range(1, steps + 1))
+    return opt, params
+
+
+def _finished(opt, params) -> dict:
+    before = comm_stats().copy()
+    synced = opt.finish()
+    sent = comm_stats() - before
+    after = [p.detach().clone() for p in params]
+    again = opt.finish()  # nothing apart any more: the flags only
+    return {"synced": synced, "params": after, "bytes": sent.bytes_sent, "again": again,
+            "unchanged": all(torch.equal(a, p) for a, p in zip(after, params)), "pending": opt.pending}
+
+
+def finish_suite(rank: int, world: int) -> dict:
+    """``finish()`` past a synchronisation on every rank: the final synchronisation, the end right after a
+    synchronisation, ``final_sync=False``, the run-length warning, and a checkpoint before the end resumed."""
+    import warnings
+
+    set_collective_timeout(30)
+    out: dict = {name: _finished(*_stepped(name, rank, steps)) for name, steps in FINISH.items()}
+    out["at_sync"] = _finished(*_stepped("plain", rank, 9))  # 9 = 3 x sync_every: nothing to do, nothing sent
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt, params = _stepped("plain", rank, 5, final_sync=False)
+        before = comm_stats().copy()
+        out["kept_apart"] = {"synced": opt.finish(), "bytes": (comm_stats() - before).bytes_sent,
+                             "params": [p.detach().clone() for p in params]}
+        short = DiLoCo(make_inner("sgd", params), sync_every=10)
+        out["no_sync"] = [short.warn_if_no_sync(9), short.warn_if_no_sync(10), short.warn_if_no_sync(0)]
+        streaming = DiLoCo(make_inner("sgd", params), sync_every=8, fragments=4, final_sync=False)
+        out["no_sync"].append(streaming.warn_if_no_sync(1))  # one fragment every 2 steps: none before step 2
+    out["warnings"] = [str(w.message) for w in caught]
+    # a checkpoint before the end (mid-round, an exchange in flight), resumed in fresh objects, then finish()
+    opt, params = _stepped("streaming", rank, 5)
+    saved = {"params": [p.detach().clone() for p in params], "opt": opt.state_dict()}
+    fresh = [p.clone().requires_grad_() for p in saved["params"]]
+    again = DiLoCo(make_inner("adamw", fresh), **CONFIGS["streaming"]["kw"])
+    again.load_state_dict(saved["opt"])
+    _steps(again, fresh, rank, range(6, FINISH["streaming"] + 1))
+    again.finish()
+    out["resumed"] = [p.detach().clone() for p in fresh]
+    return out

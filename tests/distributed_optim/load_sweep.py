@@ -60,7 +60,8 @@ DISTRIBUTED_BUILDS: dict[str, Build] = {
     "centralized_sparsified_sgd": lambda m, w: CentralizedSparsifiedSGD(
         m.parameters(), lr=0.1, sparse_grad_size=2, random_sparse=True, world_size=w,
         generator=torch.Generator().manual_seed(5)),
-    "powersgd": lambda m, w: PowerSGD(m, lr=0.1, momentum=0.9, reuse_query=True, rank=2, world_size=w),
+    "powersgd": lambda m, w: PowerSGD(m, lr=0.1, momentum=0.9, reuse_query=True, matrix_approximation_rank=2,
+                                                world_size=w),
     "decentralized_sgd": lambda m, w: DecentralizedSGD(model=m, lr=0.1, momentum=0.9),
     # synchronises after step 3 of STEPS = 3: its state holds an overlapped exchange still to merge
     "diloco": lambda m, w: DiLoCo(lo.SGD(m.parameters(), lr=0.1, momentum=0.9), sync_every=3, overlap=True,
@@ -71,10 +72,19 @@ EXTRA_BUILDS: dict[str, Build] = {
     "generic_centralized[torch.optim.Adam]": lambda m, w: GenericCentralizedOptimizer(
         w, m, optimizer=torch.optim.Adam(m.parameters(), lr=0.01, weight_decay=0.1)),
 }
-# a catalogue class whose state dict also carries its generator's state
+# DiLoCo over a torch.optim optimizer: its inner state is checked for torch's class (a moment of another shape,
+# one that only broadcasts, would fail every later step after torch moved its step count)
+EXTRA_BUILDS["diloco[torch.optim.AdamW]"] = lambda m, w: DiLoCo(
+    torch.optim.AdamW(m.parameters(), lr=0.01, weight_decay=0.1), sync_every=2, outer_momentum=0.5)
+# a catalogue class whose state dict also carries its generator's state; freeze_step="auto" chosen at step 2
+# (the cap) and still undecided after STEPS steps: the schedule holds freeze_at and the variance norms
 VARIANT_BUILDS: dict[str, Build] = {
     "sparsified_sgd[generator]": lambda m, w: lo.SparsifiedSGD(
         m.parameters(), lr=0.1, sparse_grad_size=2, mode="random", generator=torch.Generator().manual_seed(3)),
+    **{f"{name}[auto{', chosen' if cap else ''}]": (
+        lambda m, w, cls=cls, cap=cap: cls(m.parameters(), lr=1e-2, freeze_step="auto", auto_freeze_window=1,
+                                           auto_freeze_tolerance=1e-9, auto_freeze_max=cap))
+       for name, cls in (("onebit_adam", lo.OnebitAdam), ("onebit_lamb", lo.OnebitLamb)) for cap in (2, None)},
 }
 BUILDS: dict[str, Build] = {**{n: _catalogue_build(n) for n in OPTIMIZERS}, **VARIANT_BUILDS, **DISTRIBUTED_BUILDS,
                             **EXTRA_BUILDS}
@@ -114,8 +124,11 @@ def unchanged(before: tuple[bytes, list[torch.Tensor]], opt: torch.optim.Optimiz
 
 # ---------------------------------------------------------------- corruptions
 def _tensor_variants(value: torch.Tensor) -> dict[str, Any]:
-    return {"int64": value.to(torch.int64), "bool": value.to(torch.bool), "complex": value.to(torch.complex64),
-            "wrong shape": torch.zeros(7)}
+    variants = {"int64": value.to(torch.int64), "bool": value.to(torch.bool), "complex": value.to(torch.complex64),
+                "wrong shape": torch.zeros(7)}
+    if value.dim() >= 1 and value.numel() > 1:  # a shape that only broadcasts to the param's
+        variants["0-d"] = value.reshape(-1)[0].clone()
+    return variants
 
 
 COUNTER_VARIANTS = {"str": "x", "negative": -1, "fraction": 1.5, "bool tensor": torch.tensor(True),
@@ -175,10 +188,22 @@ def _extra_corruptions(sd: dict[str, Any]) -> Iterator[tuple[str, str, dict]]:
             variants.pop("wrong shape")  # sizes that no longer fit restart at zero with a warning, by design
             for what, bad in variants.items():
                 yield f"onebit {key} {what}", key, _edited(sd, ("onebit", key), bad)
+        step = onebit["schedule"]["step"]
         for key, value in onebit["schedule"].items():
-            if isinstance(value, int):
-                for what, bad in {"str": "x", "negative": -1, "fraction": 1.5}.items():
-                    yield f"onebit schedule {key} {what}", key, _edited(sd, ("onebit", "schedule", key), bad)
+            path = ("onebit", "schedule", key)
+            if isinstance(value, int) or value is None:  # counters; freeze_at (None until chosen)
+                variants = {"str": "x", "negative": -3, "fraction": 1.5, "nan": math.nan, "inf": math.inf}
+                if key == "freeze_at":
+                    variants["zero"], variants["beyond the step"] = 0, step + 1
+                for what, bad in variants.items():
+                    yield f"onebit schedule {key} {what}", key, _edited(sd, path, bad)
+            elif isinstance(value, list):  # the variance norms; ZeroOneAdam's per-group sums and products
+                variants = {"str": "x", "[nan]": [math.nan], "[inf]": [math.inf], "['x']": ["x"], "[True]": [True],
+                            "too long": [1.0] * (step + len(sd["param_groups"]) + 1)}
+                if key == "variance_norms":
+                    variants["[-1]"] = [-1.0]
+                for what, bad in variants.items():
+                    yield f"onebit schedule {key} {what}", key, _edited(sd, path, bad)
 
 
 def _diloco_corruptions(sd: dict[str, Any]) -> Iterator[tuple[str, str, dict]]:
@@ -196,6 +221,10 @@ def _diloco_corruptions(sd: dict[str, Any]) -> Iterator[tuple[str, str, dict]]:
     yield "diloco compressor generator", "compressors", _edited(sd, ("diloco", "compressors", 0, "generator"),
                                                                 torch.zeros(3))
     yield "diloco settings", "settings", _edited(sd, ("diloco", "settings", "sync_every"), 4)
+    for key in ("world_size", "rank"):
+        for what, bad in {"str": "x", "negative": -1, "nan": math.nan, "fraction": 0.5, "bool": True}.items():
+            yield f"diloco {key} {what}", key, _edited(sd, ("diloco", key), bad)
+    yield "diloco rank beyond world_size", "rank", _edited(sd, ("diloco", "rank"), section["world_size"])
 
 
 def sweep_loads(opt: torch.optim.Optimizer, m: nn.Module) -> tuple[int, list[str]]:

@@ -17,12 +17,15 @@ STEPS = 6
 SPLIT = 3
 # name -> (constructor arguments, world sizes it runs on)
 CONFIGS = {
-    "r1": (dict(lr=0.05, rank=1, momentum=0.9, weight_decay=0.01), (2, 3)),
-    "r4": (dict(lr=0.05, rank=4, momentum=0.9, nesterov=True), (2,)),
-    "r1_reuse": (dict(lr=0.05, rank=1, reuse_query=True, momentum=0.9, dampening=0.1, seed=7), (2,)),
-    "r4_reuse": (dict(lr=0.05, rank=4, reuse_query=True, momentum=0.5, weight_decay=0.02), (2, 3)),
-    "r4_reuse_by_layer": (dict(lr=0.05, rank=4, reuse_query=True, momentum=0.5, weight_decay=0.02, by_layer=True), (2,)),
-    "r2_sum": (dict(lr=0.02, rank=2, average_world=False), (2,)),
+    "r1": (dict(lr=0.05, matrix_approximation_rank=1, momentum=0.9, weight_decay=0.01), (2, 3)),
+    "r4": (dict(lr=0.05, matrix_approximation_rank=4, momentum=0.9, nesterov=True), (2,)),
+    "r1_reuse": (dict(lr=0.05, matrix_approximation_rank=1, reuse_query=True, momentum=0.9, dampening=0.1, seed=7),
+                 (2,)),
+    "r4_reuse": (dict(lr=0.05, matrix_approximation_rank=4, reuse_query=True, momentum=0.5, weight_decay=0.02),
+                 (2, 3)),
+    "r4_reuse_by_layer": (dict(lr=0.05, matrix_approximation_rank=4, reuse_query=True, momentum=0.5,
+                               weight_decay=0.02, by_layer=True), (2,)),
+    "r2_sum": (dict(lr=0.02, matrix_approximation_rank=2, average_world=False), (2,)),
 }
 MISSING = (2, 1, 0)  # (step, rank, param): that rank has no gradient for that param at that step
 
@@ -82,9 +85,11 @@ def suite(rank: int, world: int) -> dict:
         if 3 in worlds:
             out[3][name] = _run(name, rank, 3, None)
     params = [p.requires_grad_() for p in init_params()]
-    out["rank_differs"] = error_text(lambda: PowerSGD(params, lr=0.1, rank=1 + rank, world_size=3))
+    out["rank_differs"] = error_text(lambda: PowerSGD(params, lr=0.1, matrix_approximation_rank=1 + rank,
+                                                      world_size=3))
     out["seed_differs"] = error_text(lambda: PowerSGD(params, lr=0.1, seed=rank, world_size=3))
-    out["rank_zero_on_one"] = error_text(lambda: PowerSGD(params, lr=0.1, rank=0 if rank == 2 else 1, world_size=3))
+    out["rank_zero_on_one"] = error_text(lambda: PowerSGD(params, lr=0.1, world_size=3,
+                                                          matrix_approximation_rank=0 if rank == 2 else 1))
     out["world_size_on_one"] = error_text(lambda: PowerSGD(params, lr=0.1, world_size=1 if rank == 0 else 3))
     out["model_differs"] = error_text(lambda: PowerSGD(params[: 3 + (rank == 1)], lr=0.1, world_size=3))
     return out

@@ -214,3 +214,18 @@ def test_powersgd_arguments_that_differ_across_ranks_raise_on_every_rank(ranks):
     assert len(results) == 1
     ((kind, message),) = results
     assert kind == "ValueError" and "matrix_approximation_rank (rank 0: 1, rank 1: 1, rank 2: 2)" in message
+
+
+def test_the_old_hook_name_builds_the_new_ones_state_and_its_saved_state_loads():
+    """``"signsgd"`` (``lightning_optim.catalogue.STRATEGY_ALIASES``) is ``"sign_sgd"``'s: one FutureWarning; a
+    state stamped with the old name loads into the hook under its new one, and into no other hook."""
+    from lightning_optim.comm.ddp_hooks import HOOKS, make_state
+
+    assert "signsgd" not in HOOKS
+    with pytest.warns(FutureWarning, match="'signsgd' is a deprecated name; use 'sign_sgd'"):
+        state = make_state("signsgd", majority_vote=True, error_feedback=False)
+    assert type(state) is HOOKS["sign_sgd"][0] and state.hook_name == "sign_sgd" and state.majority_vote
+    saved = {**state.state_dict(), "hook": "signsgd"}
+    make_state("sign_sgd", majority_vote=True, error_feedback=False).load_state_dict(saved)
+    with pytest.raises(ValueError, match="hook 'topk'"):
+        make_state("topk", ratio=0.1).load_state_dict(saved)

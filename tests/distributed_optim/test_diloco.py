@@ -242,6 +242,8 @@ BAD = [
     ("nesterov without momentum", dict(outer_momentum=0.0), ValueError, "nesterov=True needs outer_momentum in (0, 1)"),
     ("nesterov str", dict(nesterov="yes"), TypeError, "nesterov must be True or False"),
     ("overlap int", dict(overlap=1), TypeError, "overlap must be True or False"),
+    ("final_sync int", dict(final_sync=1), TypeError, "final_sync must be True or False"),
+    ("final_sync str", dict(final_sync="False"), TypeError, "final_sync must be True or False"),
     ("mixing without overlap", dict(mixing=0.5), ValueError, "mixing=0.5 is only used with overlap=True"),
     ("mixing above 1", dict(overlap=True, mixing=1.5), ValueError, "mixing must be in [0, 1]"),
     ("compressor unknown", dict(compressor="int3"), ValueError,
@@ -326,3 +328,73 @@ def test_construction_broadcasts_only_when_the_ranks_params_differ():
         assert differ["bytes"] - equal["bytes"] == broadcast, (rank, equal["bytes"], differ["bytes"])
         for g, r in zip(differ["global"], reference):  # rank 0's params everywhere
             assert torch.equal(g, r)
+
+
+# ---------------------------------------------------------------- the end of a run
+@pytest.fixture(scope="module")
+def finished():
+    return run_workers(3, dw.finish_suite, timeout=150)
+
+
+def _reference_finish(name: str, steps: int) -> tuple[RefDiLoCo, list[int]]:
+    cfg, world = CONFIGS[name], _world(name)
+    kw = dict(cfg["kw"])
+    mixing = kw.pop("mixing", 0.5)
+    ref = RefDiLoCo(init_params(), world, lambda ps: make_inner(cfg["inner"], ps), **kw, mixing=mixing,
+                    reducers=_reducers(name, world))
+    for _ in range(steps):
+        ref.step(fill_grads)
+    return ref, ref.finish()
+
+
+@pytest.mark.parametrize("name", sorted(dw.FINISH))
+def test_finish_is_one_more_synchronisation_of_what_is_apart(finished, name):
+    ref, synced = _reference_finish(name, dw.FINISH[name])
+    assert synced == ([1] if name == "int8" else list(range(CONFIGS[name]["kw"].get("fragments", 1))))
+    for r in range(3):
+        got = finished[r][name]
+        assert got["synced"] is True and got["again"] is False and got["unchanged"] and got["pending"] is None
+        for a, b in zip(got["params"], ref.workers[r]):
+            torch.testing.assert_close(a, b, rtol=0, atol=TOL.get(name, 1e-10), msg=name)
+        for a, b in zip(got["params"], finished[0][name]["params"]):  # one model on every rank
+            assert torch.equal(a, b), name
+    if name == "plain":  # the flags (one int64 per fragment), then one fp64 all-reduce of the whole model
+        elements = sum(math.prod(s) for s in SHAPES)
+        assert finished[0][name]["bytes"] == ring_allreduce_bytes(1, 3, 8) + ring_allreduce_bytes(elements, 3, 8)
+
+
+def test_a_run_that_ends_at_a_synchronisation_sends_nothing_more(finished):
+    for r in range(3):
+        assert finished[r]["at_sync"]["synced"] is False and finished[r]["at_sync"]["bytes"] == 0
+
+
+def test_final_sync_false_sends_nothing_and_warns_on_rank_0(finished):
+    for r in range(3):
+        kept = finished[r]["kept_apart"]
+        assert kept["synced"] is False and kept["bytes"] == 0
+    assert not torch.equal(finished[0]["kept_apart"]["params"][0], finished[1]["kept_apart"]["params"][0])
+    apart = [w for w in finished[0]["warnings"] if "between two synchronisations" in w]
+    assert apart == [("DiLoCo: the run ends after inner step 5, between two synchronisations (sync_every=3): the "
+                      "params differ between the ranks, every rank keeps its own (and a save from the main process "
+                      "alone keeps rank 0's). Pass final_sync=True to end with one synchronisation, or end the run "
+                      "right after a synchronisation")]
+    assert finished[1]["warnings"] == finished[2]["warnings"] == []
+
+
+def test_a_run_without_a_synchronisation_is_named_at_its_start(finished):
+    for r in range(3):
+        assert finished[r]["no_sync"] == [True, False, False, True]
+    no_sync = [w for w in finished[0]["warnings"] if "first synchronisation" in w]
+    advice = ("Pass a sync_every the run spans several times (the DiLoCo papers use 100 to 500 inner steps) for "
+              "DiLoCo's periodic averaging")
+    assert no_sync == [
+        ("DiLoCo: sync_every=10, but this run ends at inner step 9 and the first synchronisation would follow step "
+         "10: the ranks average their models only once, at its end (final_sync=True). " + advice),
+        ("DiLoCo: sync_every=8, fragments=4, but this run ends at inner step 1 and the first synchronisation would "
+         "follow step 2: the ranks never average: each trains its own model and ends with it (final_sync=False). "
+         + advice)]
+
+
+def test_a_checkpoint_before_the_end_resumes_bitwise_through_finish(finished):
+    for r in range(3):
+        assert all(torch.equal(a, b) for a, b in zip(finished[r]["resumed"], finished[r]["streaming"]["params"]))

@@ -37,6 +37,7 @@ def _reference(name: str, world: int):
     kwargs = dict(CONFIGS[name][0])
     kwargs.pop("by_layer", None)  # the same result, other collectives
     average = kwargs.pop("average_world", True)
+    kwargs["rank"] = kwargs.pop("matrix_approximation_rank")  # the reference keeps mlbench's name
     ref = RefPowerSGD(init_params(), world, average=average, **kwargs)
     history = []
     for step in range(1, STEPS + 1):
@@ -74,7 +75,7 @@ def _ring(n: int, world: int, size: int = 8) -> int:
 
 @pytest.mark.parametrize("name,world", RUNS)
 def test_bytes_per_step(spawned, name, world):
-    rank = CONFIGS[name][0]["rank"]
+    rank = CONFIGS[name][0]["matrix_approximation_rank"]
     mats = [(s[0], math.prod(s[1:])) for s in SHAPES if len(s) > 1]
     p = [n * min(n, m, rank) for n, m in mats]
     q = [m * min(n, m, rank) for n, m in mats]
@@ -105,12 +106,12 @@ def test_resume_is_bitwise(spawned, name, world):
 
 def test_refusals_reach_every_rank(spawned):
     for r in range(3):
-        assert "rank (rank 0: 1, rank 1: 2, rank 2: 3)" in spawned[r]["rank_differs"]
+        assert "matrix_approximation_rank (rank 0: 1, rank 1: 2, rank 2: 3)" in spawned[r]["rank_differs"]
         assert "seed (rank 0: 0, rank 1: 1, rank 2: 2)" in spawned[r]["seed_differs"]
         assert "params (rank 0: 3, rank 1: 4, rank 2: 3)" in spawned[r]["model_differs"]
-    assert spawned[2]["rank_zero_on_one"] == "ValueError: rank must be in [1, inf), got 0"
+    assert spawned[2]["rank_zero_on_one"] == "ValueError: matrix_approximation_rank must be in [1, inf), got 0"
     for r in (0, 1):
-        assert "refused on rank 2 (rank)" in spawned[r]["rank_zero_on_one"]
+        assert "refused on rank 2 (matrix_approximation_rank)" in spawned[r]["rank_zero_on_one"]
     assert spawned[0]["world_size_on_one"].startswith("ValueError: world_size=1 must equal the number of ranks")
     for r in (1, 2):
         assert "refused on rank 0 (world_size)" in spawned[r]["world_size_on_one"]
@@ -121,7 +122,8 @@ def test_one_process_is_torch_sgd():
     model = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Linear(4, 2)).to(DT)
     twin = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Linear(4, 2)).to(DT)
     twin.load_state_dict(model.state_dict())
-    a = PowerSGD(model, lr=0.1, momentum=0.9, weight_decay=0.01, nesterov=True, rank=2, use_cuda=True)
+    a = PowerSGD(model, lr=0.1, momentum=0.9, weight_decay=0.01, nesterov=True, matrix_approximation_rank=2,
+                 use_cuda=True)
     b = torch.optim.SGD(twin.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01, nesterov=True)
     x = torch.randn(8, 5, dtype=DT, generator=torch.Generator().manual_seed(1))
     for _ in range(4):
@@ -159,9 +161,9 @@ BAD = [
     ("world_size zero", dict(world_size=0), ValueError, "world_size must be in [1, inf)"),
     ("world_size float", dict(world_size=1.0), TypeError, "world_size must be an int"),
     ("world_size no group", dict(world_size=4), ValueError, "world_size=4 must equal the number of ranks"),
-    ("rank zero", dict(rank=0), ValueError, "rank must be in [1, inf)"),
-    ("rank negative", dict(rank=-2), ValueError, "rank must be in [1, inf)"),
-    ("rank float", dict(rank=1.5), TypeError, "rank must be an int"),
+    ("rank zero", dict(matrix_approximation_rank=0), ValueError, "matrix_approximation_rank must be in [1, inf)"),
+    ("rank negative", dict(matrix_approximation_rank=-2), ValueError, "matrix_approximation_rank must be in [1, inf)"),
+    ("rank float", dict(matrix_approximation_rank=1.5), TypeError, "matrix_approximation_rank must be an int"),
     ("seed", dict(seed=-1), ValueError, "seed must be in [0, inf)"),
     ("process_group", dict(process_group=0), TypeError, "process_group must be None"),
 ]

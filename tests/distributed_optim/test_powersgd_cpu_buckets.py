@@ -1,17 +1,18 @@
 """torch's powerSGD_hook synchronises CUDA on CPU buckets when CUDA exists; ours lets CPU buckets through
-(seen failing on an H100 host before: ``Expected a cuda device, but got: cpu`` on every PowerSGD step)."""
+(seen failing on an H100 host before: ``Expected a cuda device, but got: cpu`` on every PowerSGD step), by
+running torch's hook from a private instance of its module, leaving torch's module as torch made it."""
 
 import pytest
 import torch
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
 
-import lightning_optim.comm.ddp_hooks.powersgd  # noqa: F401  (installs the view)
+from lightning_optim.comm.ddp_hooks import powersgd
 
 
 def test_the_hooks_view_of_torch_skips_cpu_synchronize_and_only_that(monkeypatch):
     calls = []
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append(device))
-    view = torch_powersgd.torch
+    view = powersgd._hook_module.powerSGD_hook.__globals__["torch"]
     view.cuda.synchronize(torch.device("cpu"))
     view.cuda.synchronize("cpu")
     assert calls == []
@@ -20,6 +21,15 @@ def test_the_hooks_view_of_torch_skips_cpu_synchronize_and_only_that(monkeypatch
     assert calls == ["cuda:0", None]
     assert view.float32 is torch.float32 and view.linalg is torch.linalg and view.cuda.is_available is torch.cuda.is_available
     assert torch.cuda.synchronize is not view.cuda.synchronize  # nobody else sees the change
+
+
+def test_torchs_module_is_untouched_and_its_state_class_is_the_one_we_use():
+    assert torch_powersgd.torch is torch
+    assert torch_powersgd.powerSGD_hook.__globals__["torch"] is torch
+    assert powersgd._hook_module is not torch_powersgd
+    assert powersgd._hook_module.powerSGD_hook is not torch_powersgd.powerSGD_hook
+    state = powersgd.PowerSGDHookState(start_powerSGD_iter=2)
+    assert type(state.torch_state) is torch_powersgd.PowerSGDState  # users' isinstance checks keep holding
 
 
 def test_torch_itself_still_refuses_a_cpu_device():

@@ -31,7 +31,7 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "powersgd": ("PowerSGDStrategy", POWERSGD),
     "topk": ("TopKStrategy", dict(ratio=0.01)),
     "randomk": ("RandomKStrategy", dict(ratio=0.05)),
-    "signsgd": ("SignSGDStrategy", {}),
+    "sign_sgd": ("SignSGDStrategy", {}),
     "decentralized": ("DecentralizedStrategy", dict(consensus_every=2)),
     "fp16_compress": ("FP16CompressStrategy", {}),
 }

@@ -3,8 +3,10 @@ already-launched world) on the main job's tiny model, AdamW inner optimizer, no 
 one-process simulation can replay the same inner steps from the recorded batches).
 
 Per case: a full fit of ``STEPS`` steps (two epochs) with a checkpoint after ``RESUME`` (between synchronisations), then
-that checkpoint resumed to the end. Each step records the batch, the params after it, the strategy's byte
-count and the bytes this process's gloo sockets sent during it (``ss``).
+that checkpoint resumed to the end; both end between synchronisations, so the strategy's final synchronisation
+runs after their last step. Then two fits of 3 steps with ``sync_every=100``, ``final_sync`` True and False.
+Each step records the batch, the params after it, the strategy's byte count and the bytes this process's gloo
+sockets sent during it (``ss``).
 """
 
 from __future__ import annotations
@@ -92,6 +94,29 @@ def _refused(out: Path, **kwargs: Any) -> str:
     return "no error"
 
 
+def _short(out: Path, final_sync: bool) -> dict[str, Any]:
+    """A fit of 3 steps with sync_every=100 (no synchronisation in it): the warnings each rank gave, its params."""
+    import warnings
+
+    import lightning.pytorch as pl
+
+    import lightning_optim
+    from lightning_optim.data import ByteDataModule
+    from lightning_optim.model import LanguageModel
+
+    pl.seed_everything(7, workers=True)
+    model = LanguageModel(MODEL, SEQ_LEN, optimizer=inner_adamw, scheduler=None)
+    strategy = lightning_optim.DiLoCoStrategy(sync_every=100, final_sync=final_sync, timeout=60)
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=3, limit_val_batches=0,
+                         num_sanity_val_steps=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, default_root_dir=str(out))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(model, datamodule=ByteDataModule(**DATA))
+    return {"warnings": [str(w.message) for w in caught if "DiLoCoStrategy" in str(w.message)],
+            "params": _flat_params(model), "summary": strategy.comm_summary()}
+
+
 def suite(rank: int, world: int, tmp: str) -> dict[str, Any]:
     """Everything the 2-rank DiLoCo strategy tests check, in one spawn."""
     import lightning_optim
@@ -103,6 +128,7 @@ def suite(rank: int, world: int, tmp: str) -> dict[str, Any]:
         full = _fit(case, tmp_path / case / "full", checkpoint_dir=str(tmp_path / case / "ckpts"))
         ckpt = str(tmp_path / case / "ckpts" / f"epoch=0-step={RESUME}.ckpt")
         out[case] = {**full, "resumed": _fit(case, tmp_path / case / "resumed", ckpt_in=ckpt), "ckpt": ckpt}
+    out["short"] = {flag: _short(tmp_path / f"short_{flag}", flag) for flag in (True, False)}
     out["refused"] = {
         "onebit_optimizer": _refused(tmp_path / "r1", optimizer=functools.partial(lightning_optim.OnebitAdam, lr=1e-3)),
     }

@@ -3,9 +3,11 @@ rank 1 stops answering at a given step: it hangs (``--mode hang``) or exits (``-
 
     python tests/lightning/fail_script.py --mode hang --at-step 3 --timeout 5
     python tests/lightning/fail_script.py --strategy diloco --mode exit --at-step 3   # inside the exchange's step
+    python tests/lightning/fail_script.py --strategy diloco --at-step 2   # between syncs: the next batch's broadcast
 
 Rank 0 must then stop with the strategy's clear error within about ``--timeout`` seconds
-(the process-group timeout bounds every collective) instead of waiting forever.
+(the process-group timeout bounds every collective) instead of waiting forever. Each rank prints when
+Lightning reports the failure to its callbacks (``on_exception``), for the tests to time the report.
 """
 
 from __future__ import annotations
@@ -57,6 +59,9 @@ def main() -> None:
         def on_before_optimizer_step(self, trainer, pl_module, optimizer):
             if args.strategy == "diloco":
                 self._stop(trainer, trainer.global_step + 1)  # the step about to be taken
+
+        def on_exception(self, trainer, pl_module, exception):
+            print(f"rank {trainer.global_rank}: failure reported at {time.time():.3f}", file=sys.stderr, flush=True)
 
     strategy = (OnebitAdamStrategy(freeze_step=2, timeout=args.timeout) if args.strategy == "onebit_adam"
                 else DiLoCoStrategy(sync_every=3, timeout=args.timeout))

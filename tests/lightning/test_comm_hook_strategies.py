@@ -1,4 +1,4 @@
-"""The comm-hook strategies (``powersgd``, ``topk``, ``randomk``, ``signsgd``, ``decentralized``): real
+"""The comm-hook strategies (``powersgd``, ``topk``, ``randomk``, ``sign_sgd``, ``decentralized``): real
 Trainer runs on 2 gloo ranks (one spawn, ``comm_hook_workers.suite``) on the main job's tiny model, and
 every constructor argument refused in one process.
 
@@ -65,7 +65,7 @@ def _expected_bytes(case: str, shapes: list[tuple[int, ...]], step: int, powersg
         return _ring(sum(numels), 2)
     if case == "randomk":  # shared positions: the values alone, in one ring all-reduce
         return _ring(sum(max(1, int(0.05 * d)) for d in numels))
-    if case == "signsgd":
+    if case == "sign_sgd":
         return (WORLD - 1) * sum(math.ceil(d / 8) + 4 for d in numels)
     gossip = 1 * sum(numels) * 4  # one neighbour on a 2-rank ring
     return gossip + (_ring(sum(numels), 8) + _ring(1, 8) if step % 2 == 0 else 0)  # consensus_every=2
@@ -85,7 +85,7 @@ def test_bytes_per_step_are_the_messages(runs, case):
         run = runs[rank][case]
         sent = [row["bytes_sent"] for row in run["rows"]]
         want = [_expected_bytes(case, run["shapes"], t) for t in range(1, STEPS + 1)]
-        if case in ("topk", "signsgd"):  # + the compressors' one-off layout agreement at the first step
+        if case in ("topk", "sign_sgd"):  # + the compressors' one-off layout agreement at the first step
             assert sent[1:] == want[1:] and 0 < sent[0] - want[0] <= 200
         elif case == "randomk":  # + the shared-draw agreement every call (a small all-gather)
             control = {s - w for s, w in zip(sent, want)}
@@ -103,7 +103,7 @@ def test_telemetry_is_logged(runs, case):
     last = rows[-1]
     ratio = float(last["comm/fp32_bytes"]) / float(last["comm/bytes_sent"])
     assert float(last["comm/compression_ratio"]) == pytest.approx(ratio)
-    if case in ("topk", "randomk", "signsgd", "powersgd"):
+    if case in ("topk", "randomk", "sign_sgd", "powersgd"):
         assert ratio > 5  # compressed (PowerSGD after start_powerSGD_iter)
     if case == "fp16_compress":
         assert ratio == pytest.approx(2.0)
@@ -263,7 +263,7 @@ def test_defaults_build_and_the_hook_names_are_the_catalogues():
 def test_hook_state_refuses_another_hooks_or_ranks_state():
     state = TopKHookState(ratio=0.1)
     with pytest.raises(ValueError, match="hook 'topk'"):
-        state.load_state_dict(make_state("signsgd").state_dict())
+        state.load_state_dict(make_state("sign_sgd").state_dict())
     with pytest.raises(ValueError, match="each rank loads its own state"):
         state.load_state_dict({**state.state_dict(), "rank": 1})
     with pytest.raises(ValueError, match="hook name must be one of"):

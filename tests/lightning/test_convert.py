@@ -3,6 +3,7 @@ groups, LR schedulers), adopting an already-1-bit optimizer, and argument errors
 
 from __future__ import annotations
 
+import inspect
 import math
 import warnings
 
@@ -10,7 +11,13 @@ import pytest
 import torch
 
 import lightning_optim
-from lightning_optim.lightning import OnebitAdamStrategy, OnebitLambStrategy, ZeroOneAdamStrategy, to_onebit
+from lightning_optim.lightning import (
+    OnebitAdamStrategy,
+    OnebitFSDPStrategy,
+    OnebitLambStrategy,
+    ZeroOneAdamStrategy,
+    to_onebit,
+)
 from lightning_optim.lightning.convert import retarget_schedulers
 from lightning_optim.model import ByteGPT, param_groups
 from lightning_optim.onebit import OnebitAdam, OnebitLamb, ZeroOneAdam
@@ -102,8 +109,8 @@ def test_unsupported_optimizer_class_is_named(make, target, match):
         (lambda g: torch.optim.AdamW(g, maximize=True), ZeroOneAdam, "maximize"),
         (lambda g: lightning_optim.AdamW(g, decouple_lr=True, max_lr=1e-3), OnebitAdam, "decouple_lr"),
         (lambda g: lightning_optim.Lamb(g, weight_decay=0.1), OnebitLamb, "use_nvlamb"),
-        (lambda g: lightning_optim.Lamb(g, weight_decay=0.1, use_nvlamb=True, adam_w_mode=False), OnebitLamb,
-         "adam_w_mode"),
+        (lambda g: lightning_optim.Lamb(g, weight_decay=0.1, use_nvlamb=True, decoupled_weight_decay=False),
+         OnebitLamb, "decoupled_weight_decay"),
         (lambda g: lightning_optim.FusedLamb(g, max_grad_norm=1.0), OnebitLamb, "gradient_clip_val"),
     ],
 )
@@ -156,6 +163,32 @@ def test_strategy_adopts_a_onebit_optimizer_as_is():
     assert adopted is given and adopted.freeze_step == 3 and adopted.average_grads is False
     converted = OnebitAdamStrategy(freeze_step=5)._adopt(torch.optim.AdamW(_groups()))
     assert type(converted) is OnebitAdam and converted.freeze_step == 5
+
+
+AUTO_FREEZE = ("auto_freeze_window", "auto_freeze_tolerance", "auto_freeze_max")
+
+
+@pytest.mark.parametrize("strategy_cls", [OnebitAdamStrategy, ZeroOneAdamStrategy, OnebitLambStrategy, OnebitFSDPStrategy])
+def test_a_strategy_takes_the_auto_freeze_arguments_its_optimizer_takes(strategy_cls):
+    optimizer_cls = strategy_cls.optimizer_class  # OnebitFSDPStrategy: its default, OnebitAdam
+    takes = {name for name in inspect.signature(optimizer_cls).parameters if name.startswith("auto_freeze_")}
+    assert {n for n in inspect.signature(strategy_cls).parameters if n.startswith("auto_freeze_")} == takes
+    if not takes:
+        return
+    assert takes == set(AUTO_FREEZE)
+    strategy = strategy_cls(freeze_step="auto", auto_freeze_window=3, auto_freeze_tolerance=0.25, auto_freeze_max=7)
+    source = (lightning_optim.FusedLamb(_groups(), lr=1e-2) if optimizer_cls is OnebitLamb
+              else torch.optim.AdamW(_groups(), lr=1e-2))
+    converted = to_onebit(source, strategy.optimizer_class, strategy._knobs)
+    assert type(converted) is optimizer_cls and converted.auto_freeze
+    assert (converted.auto_freeze_window, converted.auto_freeze_tolerance, converted.auto_freeze_max) == (3, 0.25, 7)
+    name = strategy_cls.__name__
+    for key, bad, error in (("auto_freeze_window", 0, ValueError), ("auto_freeze_tolerance", 1.5, ValueError),
+                            ("auto_freeze_max", "x", TypeError), ("auto_freeze_max", float("nan"), TypeError)):
+        with pytest.raises(error, match=rf"^{name}: {key} must be"):
+            strategy_cls(freeze_step="auto", **{key: bad})
+    with pytest.raises(ValueError, match=rf"^{name}: auto_freeze_window: only with freeze_step='auto'"):
+        strategy_cls(freeze_step=10, auto_freeze_window=3)
 
 
 def test_strategy_errors_name_the_strategy_and_the_optimizer():

@@ -2,7 +2,9 @@
 one-process simulation of the 2 workers written from the papers (``tests/reference/diloco.py``) fed the
 batches each rank saw; nothing on the wire between synchronisations (the kernel's socket counters) and at
 a synchronisation what the strategy counted; a checkpoint between synchronisations resumes bitwise on every
-rank; the Hydra options; refusals. A dead rank: ``test_failures.py``."""
+rank; a fit that ends between synchronisations takes one more (the simulation's ``finish``) and ends with one
+model on every rank, or with ``final_sync=False`` warns that the ranks end apart; a fit shorter than
+``sync_every`` is named at its start; the Hydra options; refusals. A dead rank: ``test_failures.py``."""
 
 from __future__ import annotations
 
@@ -42,10 +44,10 @@ def _optimizer_order(lm: LanguageModel) -> tuple[list[dict], list[int]]:
     return groups, [index[id(p)] for g in groups for p in g["params"]]
 
 
-def _simulate(runs, case: str) -> list[list[torch.Tensor]]:
-    """The reference's flat params (model order) of each worker after each step. The reference holds the params
-    in the inner optimizer's order (the main job's decayed group, then the no-decay one), as DiLoCo cuts its
-    fragments in that order."""
+def _simulate(runs, case: str) -> tuple[list[list[torch.Tensor]], list[torch.Tensor]]:
+    """The reference's flat params (model order) of each worker after each step, and after its final
+    synchronisation. The reference holds the params in the inner optimizer's order (the main job's decayed group,
+    then the no-decay one), as DiLoCo cuts its fragments in that order."""
     kw = dict(CASES[case][1])
     streaming = CASES[case][0].startswith("Streaming")
     fragments, overlap = kw.pop("fragments", 4 if streaming else 1), streaming
@@ -77,18 +79,53 @@ def _simulate(runs, case: str) -> list[list[torch.Tensor]]:
     for _ in range(STEPS):
         ref.step(grad_fn)
         out.append([torch.cat([p.detach().reshape(-1) for p in model_order(params)]) for params in ref.workers])
-    return out
+    ref.finish()
+    return out, [torch.cat([p.detach().reshape(-1) for p in model_order(params)]) for params in ref.workers]
 
 
 @pytest.mark.parametrize("case", ["diloco", "streaming"])
 def test_the_fit_equals_the_two_worker_simulation(runs, case):
-    simulated = _simulate(runs, case)
+    simulated, _ = _simulate(runs, case)
     for rank in range(WORLD):
         for t, row in enumerate(runs[rank][case]["rows"]):
             # fp32 rounding orders differ (the outer step's formula, Adam's division): ulps, which Adam's
             # normalisation can blow up on near-zero gradients for a few steps
             torch.testing.assert_close(row["params"], simulated[t][rank], rtol=1e-5, atol=1e-5,
                                        msg=lambda m: f"rank {rank}, step {t + 1}: {m}")
+
+
+@pytest.mark.parametrize("case", ["diloco", "streaming"])
+def test_a_fit_that_ends_between_synchronisations_ends_with_the_final_one(runs, case):
+    assert STEPS not in _syncs(case) or CASES[case][0].startswith("Streaming")  # apart after the last step
+    _, finished = _simulate(runs, case)
+    for rank in range(WORLD):
+        run = runs[rank][case]
+        assert not torch.equal(run["rows"][-1]["params"], runs[1 - rank][case]["rows"][-1]["params"])
+        assert torch.equal(run["params"], runs[0][case]["params"])  # one model on every rank after the fit
+        torch.testing.assert_close(run["params"], finished[rank], rtol=1e-5, atol=1e-5)
+        assert run["summary"]["final_sync"] is True
+    if case == "diloco":  # one flag, then the ring all-reduce of the whole model: counted in the fit's totals
+        summary = runs[0][case]["summary"]
+        assert summary["final_sync_bytes"] == ring_allreduce_bytes(1, WORLD, 8) + ring_allreduce_bytes(
+            sum(runs[0][case]["numels"]), WORLD)
+        steps_sent = sum(r["bytes_sent"] for r in runs[0][case]["rows"])
+        assert summary["bytes_sent"] == steps_sent + summary["final_sync_bytes"]
+
+
+def test_a_fit_shorter_than_sync_every_is_named_and_final_sync_decides_how_it_ends(runs):
+    start = ("DiLoCoStrategy: sync_every=100, but this run ends at inner step 3 and the first synchronisation would "
+             "follow step 100: ")
+    synced, apart = runs[0]["short"][True], runs[0]["short"][False]
+    assert synced["warnings"] == [start + "the ranks average their models only once, at its end (final_sync=True). "
+                                  "Pass a sync_every the run spans several times (the DiLoCo papers use 100 to 500 "
+                                  "inner steps) for DiLoCo's periodic averaging"]
+    assert len(apart["warnings"]) == 2 and apart["warnings"][0].startswith(start + "the ranks never average")
+    assert apart["warnings"][1].startswith("DiLoCoStrategy: the run ends after inner step 3, between two "
+                                           "synchronisations (sync_every=100): the params differ between the ranks")
+    assert runs[1]["short"][True]["warnings"] == runs[1]["short"][False]["warnings"] == []  # rank 0 warns
+    assert torch.equal(runs[0]["short"][True]["params"], runs[1]["short"][True]["params"])
+    assert not torch.equal(runs[0]["short"][False]["params"], runs[1]["short"][False]["params"])
+    assert apart["summary"]["final_sync_bytes"] == 0 and synced["summary"]["final_sync_bytes"] > 0
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -192,7 +229,7 @@ def test_a_communicating_optimizer_is_refused_on_every_rank(runs):
     ("sync_every", 0), ("sync_every", 2.5), ("sync_every", "50"), ("outer_lr", 0), ("outer_lr", -1.0),
     ("outer_lr", float("nan")), ("outer_momentum", 1.0), ("outer_momentum", -0.1), ("nesterov", "yes"),
     ("fragments", 0), ("fragments", 3), ("overlap", 1), ("mixing", 1.5), ("compressor", "int2"), ("compressor", 8),
-    ("timeout", 0), ("telemetry", "yes"),
+    ("final_sync", 1), ("final_sync", "true"), ("timeout", 0), ("telemetry", "yes"),
 ])
 def test_every_argument_is_refused_with_its_name(cls, arg, value):
     with pytest.raises((TypeError, ValueError)) as info:

@@ -3,7 +3,8 @@ the main job's LanguageModel (no configure_model: the strategy shards it) on a (
 HSDP's all-reduce in warmup, the 1-bit exchange after ``freeze_step`` (telemetry bytes against the fp32
 all-reduce's), one model on every rank, one agreed clip norm, a resume from its own checkpoint bitwise, and
 a resume from plain HSDP's checkpoint (``ModelParallelStrategy`` + AdamW, sharded in configure_model) that
-takes torch's moments as they were saved and compresses at once (the stage from the step count)."""
+takes torch's moments as they were saved and compresses at once (the stage from the step count); the
+checkpoint folder made into one file as docs/onebit.md says, loaded into a plain model."""
 
 from __future__ import annotations
 
@@ -24,8 +25,13 @@ WORLD = 4
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
-    return run_workers(WORLD, suite, str(tmp_path_factory.mktemp("onebit_fsdp")), timeout=600)
+def fits(tmp_path_factory):
+    return tmp_path_factory.mktemp("onebit_fsdp")
+
+
+@pytest.fixture(scope="module")
+def ranks(fits):
+    return run_workers(WORLD, suite, str(fits), timeout=600)
 
 
 def test_the_mesh_is_replicas_of_shards_and_the_optimizer_converted(ranks):
@@ -62,6 +68,28 @@ def test_resume_from_its_checkpoint_is_bitwise(ranks):
         assert [row["step"] for row in resumed["rows"]] == list(range(EPOCH + 1, STEPS + 1))
         assert [row["loss"] for row in resumed["rows"]] == [row["loss"] for row in full["rows"][EPOCH:]]
         assert torch.equal(resumed["params"], full["params"]), r
+
+
+def test_one_file_from_the_checkpoint_as_the_docs_say_loads_into_a_plain_model(ranks, fits, tmp_path):
+    """docs/onebit.md, "One file from a checkpoint", step by step on the fit's last checkpoint (after step 8)."""
+    import io
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from lightning_optim.model import LanguageModel
+    from tests.lightning.workers import MODEL, SCHEDULER, SEQ_LEN, _optimizer
+
+    folder = fits / "ckpts" / f"epoch=1-step={STEPS}.ckpt"
+    dcp_to_torch_save(folder, tmp_path / "model.pt")
+    with torch.serialization.safe_globals([io.BytesIO]):
+        checkpoint = torch.load(tmp_path / "model.pt", weights_only=True)
+    model = LanguageModel(MODEL, SEQ_LEN, optimizer=_optimizer("torch_adamw"), scheduler=SCHEDULER)
+    model.load_state_dict(checkpoint["state_dict"])
+    params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    assert torch.equal(params, ranks[0]["full"]["params"])  # the run's model after its last step
+    assert sorted(checkpoint["optimizer_0"]) == [f"onebit_rank{r}" for r in range(WORLD)]
+    with pytest.raises(IsADirectoryError):  # what the docs say of Lightning's own loader
+        LanguageModel.load_from_checkpoint(folder)
 
 
 def test_resume_from_a_plain_hsdp_checkpoint_takes_torchs_moments(ranks):

@@ -1,5 +1,5 @@
 """``import lightning_optim`` registers the strategy names in both Lightning packages, in any
-import order, without importing Lightning itself."""
+import order, through the registries' own ``register`` (no import hook)."""
 
 from __future__ import annotations
 
@@ -14,11 +14,12 @@ from lightning_optim.lightning import registry
 CHECK = """
 import sys
 {first}
-assert 'lightning' not in sys.modules and 'pytorch_lightning' not in sys.modules or {lightning_first}
+hooks = list(sys.meta_path)
 import lightning.pytorch as pl, pytorch_lightning
 from lightning.pytorch.strategies import StrategyRegistry as A
 from pytorch_lightning.strategies import StrategyRegistry as B
 from lightning_optim.lightning import strategies, pl_strategies
+assert sys.meta_path == hooks  # importing Lightning after lightning_optim runs no finder of ours
 for name in {names!r}:
     assert A[name]['strategy'] is strategies.STRATEGIES[name], name
     assert B[name]['strategy'] is pl_strategies.STRATEGIES[name], name

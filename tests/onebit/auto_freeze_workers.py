@@ -1,13 +1,16 @@
 """Rank side of the freeze_step="auto" tests: 2 gloo ranks, each its own gradients (decaying, so the
-variance settles), OnebitAdam/OnebitLamb averaging the warmup itself; a checkpoint mid-warmup resumed."""
+variance settles), OnebitAdam/OnebitLamb averaging the warmup itself; a checkpoint mid-warmup resumed. The
+``AutoFreezeDecision`` warnings each run issued are recorded."""
 
 from __future__ import annotations
 
 import io
+import warnings
 
 import torch
 
 from lightning_optim import OnebitAdam, OnebitLamb
+from lightning_optim.onebit.auto_freeze import AutoFreezeDecision
 
 SHAPES = [(40, 8), (8,), (16, 4)]
 STEPS = 40
@@ -29,14 +32,17 @@ def _build(cls, rank: int):
     return params, cls(params, lr=1e-2, **{**KW, **extra})
 
 
-def _run(params, opt, rank: int, steps) -> list[dict]:
+def _run(params, opt, rank: int, steps, announced: list[str]) -> list[dict]:
     rows = []
-    for t in steps:
-        for p, g in zip(params, grads(t, rank)):
-            p.grad = g
-        opt.step()
-        rows.append({"needs": opt.needs_averaged_grads, "freeze_step": opt.freeze_step,
-                     "params": [p.detach().clone() for p in params]})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for t in steps:
+            for p, g in zip(params, grads(t, rank)):
+                p.grad = g
+            opt.step()
+            rows.append({"needs": opt.needs_averaged_grads, "freeze_step": opt.freeze_step,
+                         "params": [p.detach().clone() for p in params]})
+    announced += [str(w.message) for w in caught if issubclass(w.category, AutoFreezeDecision)]
     return rows
 
 
@@ -44,10 +50,11 @@ def suite(rank: int, world: int) -> dict:
     out = {}
     for cls in (OnebitAdam, OnebitLamb):
         params, opt = _build(cls, rank)
-        full = _run(params, opt, rank, range(1, SAVE_AT + 1))
+        announced: list[str] = []
+        full = _run(params, opt, rank, range(1, SAVE_AT + 1), announced)
         blob = io.BytesIO()
         torch.save({"opt": opt.state_dict(), "params": [p.detach().clone() for p in params]}, blob)
-        full += _run(params, opt, rank, range(SAVE_AT + 1, STEPS + 1))
+        full += _run(params, opt, rank, range(SAVE_AT + 1, STEPS + 1), announced)
         params2, opt2 = _build(cls, rank)
         blob.seek(0)
         saved = torch.load(blob, weights_only=False)
@@ -55,6 +62,8 @@ def suite(rank: int, world: int) -> dict:
         with torch.no_grad():
             for p, q in zip(params2, saved["params"]):
                 p.copy_(q)
-        resumed = _run(params2, opt2, rank, range(SAVE_AT + 1, STEPS + 1))
-        out[cls.__name__] = {"full": full, "resumed": resumed, "chosen": opt.freeze_step}
+        announced_resumed: list[str] = []
+        resumed = _run(params2, opt2, rank, range(SAVE_AT + 1, STEPS + 1), announced_resumed)
+        out[cls.__name__] = {"full": full, "resumed": resumed, "chosen": opt.freeze_step, "announced": announced,
+                             "announced_resumed": announced_resumed}
     return out

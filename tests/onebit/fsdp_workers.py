@@ -19,6 +19,7 @@ from torch.distributed.fsdp import fully_shard
 from lightning_optim import OnebitAdam, OnebitLamb, ZeroOneAdam
 from lightning_optim.comm import comm_stats, reset_comm_stats
 from lightning_optim.onebit import load_rank_state, onebit_fsdp, rank_state
+from lightning_optim.onebit.auto_freeze import AutoFreezeDecision
 from tests.distributed import error_text
 
 REPLICAS, SHARDS = 2, 2
@@ -161,6 +162,7 @@ def train_suite(rank: int, world: int, name: str, ckpt_dir: str) -> dict:
         path = f"{ckpt_dir}/{name}"
         _save(model, optimizer, path, rank)
         out["synced_at_save"] = optimizer.params_synchronized  # DCP keeps one copy of a replicated shard
+        out["checkpoint"] = path
         _train(model, optimizer, range(at + 1, steps + 1), rank, replicate_ranks, out)
         onebit = optimizer.state_dict()["onebit"]
         out["onebit"] = (onebit["world_size"], onebit["rank"], onebit["worker_error"].numel())
@@ -174,7 +176,9 @@ def train_suite(rank: int, world: int, name: str, ckpt_dir: str) -> dict:
         _train(model2, optimizer2, range(at + 1, steps + 1), rank, replicate_ranks, resumed)
         out["resumed_params"] = resumed["params"]
     ours = ("Onebit", "ZeroOne", "onebit", "1-bit", "compress")
-    out["warnings"] = [str(w.message) for w in caught if any(k in str(w.message) for k in ours)]
+    decided = [w for w in caught if w.category is AutoFreezeDecision]  # freeze_step="auto" says its step, once
+    out["warnings"] = [str(w.message) for w in caught if any(k in str(w.message) for k in ours) and w not in decided]
+    out["decisions"] = [str(w.message) for w in decided]
 
     # remove(): HSDP's own all-reduce again, the compression stage's partial reductions dropped
     handle.remove()

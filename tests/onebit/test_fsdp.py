@@ -58,11 +58,17 @@ def _mean_grads(ranks, steps: int) -> list[list[torch.Tensor]]:
 def test_replicas_follow_the_sharded_reference(run):
     name, ranks = run
     _, kwargs, steps, _ = CONFIGS[name]
+    decided = [bool(ranks[r]["decisions"]) for r in range(WORLD)]
     if kwargs.get("freeze_step") == "auto":  # the reference takes the step the rule picks on the whole model
         chosen = auto_freeze_step(_mean_grads(ranks, steps), 0.999, kwargs["auto_freeze_window"],
                                   kwargs["auto_freeze_tolerance"], 100000)
         assert chosen is not None and ranks[0]["needs"].index(False) == chosen  # step chosen + 1 compresses
         kwargs = {"freeze_step": chosen}
+        # announced by rank 0 of the world that voted, once per run that decided (the resumed one too)
+        assert decided == [True] + [False] * (WORLD - 1)
+        assert all(f"ends the warmup at step {chosen}:" in m for m in ranks[0]["decisions"])
+    else:
+        assert decided == [False] * WORLD
     params = list(initial_params().values())
     ref = ShardedReference(lambda p, w: REFS[name](p, w, **COMMON, **kwargs), params, REPLICAS, SHARDS)
     for t in range(steps):
@@ -127,6 +133,27 @@ def test_checkpoint_resumes_mid_compression_bitwise(run):
         for t, params in enumerate(resumed):
             for key, value in params.items():
                 assert torch.equal(value, ranks[r]["params"][at + t][key]), (name, r, at + 1 + t, key)
+
+
+def test_one_file_from_the_checkpoint_as_the_docs_say_loads_into_a_plain_model(run, tmp_path):
+    """docs/onebit.md, "One file from a checkpoint", on the folder saved mid-compression by ``dcp.save``."""
+    import io
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from tests.onebit.fsdp_workers import Net
+
+    name, ranks = run
+    at = CONFIGS[name][3]
+    dcp_to_torch_save(ranks[0]["checkpoint"], tmp_path / "model.pt")
+    with torch.serialization.safe_globals([io.BytesIO]):
+        checkpoint = torch.load(tmp_path / "model.pt", weights_only=True)
+    model = Net()
+    model.load_state_dict(checkpoint["model"])
+    for key, value in model.named_parameters():  # the replicas agreed when it was saved: every rank's params
+        for r in range(WORLD):
+            assert torch.equal(value, ranks[r]["params"][at - 1][key]), (name, r, key)
+    assert sorted(checkpoint["optim"]) == [f"onebit_rank{r}" for r in range(WORLD)]
 
 
 def test_remove_gives_hsdp_its_all_reduce_back(run):

@@ -199,7 +199,7 @@ def test_fused_lamb_is_nvlamb_with_clamp(bias_correction):
     ours_r, _ = _run_against_refs(opt, ours, [(ref, slice(None))], grad_stream(steps=STEPS))
     assert max_abs_diff(ours, ref_params) < 1e-10
     assert any(r != 1.0 for step in ours_r for r in step)
-    assert opt.defaults["use_nvlamb"] and opt.defaults["adam_w_mode"] and not opt.defaults["adam"]
+    assert opt.defaults["use_nvlamb"] and opt.defaults["decoupled_weight_decay"] and not opt.defaults["adam"]
 
 
 def test_get_lamb_coeffs_lists_every_updated_param_in_group_order():
@@ -377,7 +377,8 @@ def test_lamb_accumulation_keeps_params_and_coeffs():
     (dict(max_coeff=float("nan")), "max_coeff"),
     (dict(min_coeff=-0.1), "min_coeff"), (dict(min_coeff=20.0), "min_coeff"), (dict(min_coeff=math.inf), "min_coeff"),
     (dict(bias_correction="yes"), "bias_correction"), (dict(eps_inside_sqrt=1), "eps_inside_sqrt"),
-    (dict(adam_w_mode=None), "adam_w_mode"), (dict(grad_averaging="no"), "grad_averaging"),
+    (dict(decoupled_weight_decay=None), "decoupled_weight_decay"), (dict(adam_w_mode=None), "decoupled_weight_decay"),
+    (dict(grad_averaging="no"), "grad_averaging"),
     (dict(use_nvlamb=0), "use_nvlamb"), (dict(adam="x"), "adam"), (dict(maximize=1), "maximize"),
     (dict(foreach="y"), "foreach"), (dict(kahan_sum=1), "kahan_sum"), (dict(decouple_lr=True), "decouple_lr"),
 ])
@@ -394,8 +395,10 @@ def test_bad_lamb_group_override_is_caught_in_the_constructor():
 
 
 @pytest.mark.parametrize("kwargs,arg", [
-    (dict(lr=-1.0), "lr"), (dict(momentum=-0.1), "momentum"), (dict(eeta=0.0), "eeta"), (dict(eeta=1.5), "eeta"),
-    (dict(weight_decay=-1.0), "weight_decay"), (dict(epsilon=-1e-8), "epsilon"), (dict(epsilon=math.inf), "epsilon"),
+    (dict(lr=-1.0), "lr"), (dict(momentum=-0.1), "momentum"), (dict(trust_coefficient=0.0), "trust_coefficient"),
+    (dict(trust_coefficient=1.5), "trust_coefficient"), (dict(eeta=1.5), "trust_coefficient"),
+    (dict(weight_decay=-1.0), "weight_decay"), (dict(eps=-1e-8), "eps"), (dict(eps=math.inf), "eps"),
+    (dict(epsilon=-1e-8), "eps"),
     (dict(grad_clip=0.0), "grad_clip"), (dict(grad_clip="a"), "grad_clip"), (dict(trust_clip=-1.0), "trust_clip"),
     (dict(foreach=1), "foreach"), (dict(decouple_lr=True), "decouple_lr"),
 ])

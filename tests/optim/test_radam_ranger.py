@@ -250,7 +250,8 @@ def test_bad_radam_arguments(kwargs, arg):
 
 @pytest.mark.parametrize("kwargs,arg", [
     (dict(k=0), "k"), (dict(k=2.5), "k"), (dict(k=True), "k"), (dict(alpha=0.0), "alpha"),
-    (dict(alpha=1.5), "alpha"), (dict(alpha=float("nan")), "alpha"), (dict(decouple_wd="no"), "decouple_wd"),
+    (dict(alpha=1.5), "alpha"), (dict(alpha=float("nan")), "alpha"),
+    (dict(decoupled_weight_decay="no"), "decoupled_weight_decay"), (dict(decouple_wd="no"), "decoupled_weight_decay"),
     (dict(betas=(0.9, 1.0)), "betas"), (dict(eps=0.0), "eps"), (dict(weight_decay=-1.0), "weight_decay"),
     (dict(maximize=None), "maximize"),
 ])

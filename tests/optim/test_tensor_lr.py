@@ -1,4 +1,4 @@
-"""A 0-dim tensor lr (as torch.optim takes, for torch.compile with an LR scheduler): every optimizer of
+"""A one-element tensor lr (as torch.optim takes, for torch.compile with an LR scheduler): every optimizer of
 the family steps with it exactly as with the float it holds, schedulers move it in place, checkpoints
 keep it, bad tensors and the 1-bit optimizers refuse it; a compiled step reads it at run time (no
 recompile when the scheduler changes it) and equals the eager step bit for bit."""
@@ -67,7 +67,7 @@ def test_scheduler_fills_the_tensor_and_checkpoints_keep_it(spec):
 
 
 BAD = {
-    "1-dim": (torch.tensor([1e-2]), ValueError),
+    "two elements": (torch.tensor([1e-2, 1e-2]), ValueError),
     "integer": (torch.tensor(1), ValueError),
     "requires grad": (torch.tensor(1e-2, requires_grad=True), ValueError),
     "negative": (torch.tensor(-1e-2), ValueError),

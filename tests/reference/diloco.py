@@ -17,6 +17,9 @@ Inner step t = 1, 2, ... (``step(grad_fn)``; ``grad_fn(w, t, params)`` fills the
         compressor reference's aggregate)
         without overlap: outer(f, avg);  theta_w[f] = theta_g[f]  for every w
         with overlap: kept for step t + 1
+  The run's end with final_sync (``finish()``): a kept exchange merged as step t + 1 would merge it; then every
+  fragment f in which some worker's params differ from theta_g: delta_w, avg, outer(f, avg), theta_w[f] =
+  theta_g[f] for every w (the step-3 equations without overlap).
   outer(f, avg), per param (SGD with momentum mu, lr eta, no dampening):
         b = mu b + avg;  u = avg + mu b (Nesterov) | b (momentum) | avg (mu = 0);  theta_g = theta_g - eta u
 """
@@ -81,6 +84,34 @@ class RefDiLoCo:
             else:
                 u = a
             self.global_params[i] = self.global_params[i] - self.lr * u
+
+    def _merge_kept(self) -> None:
+        f, avg = self.kept
+        self.kept = None
+        self._outer(f, avg)
+        for params in self.workers:
+            for i in self.fragments[f]:
+                params[i].copy_(self.alpha * params[i] + (1 - self.alpha) * self.global_params[i])
+
+    def _sync(self, f: int) -> None:
+        deltas = [[self.global_params[i] - params[i] for i in self.fragments[f]] for params in self.workers]
+        self._outer(f, self.reducers[f](deltas))
+        for params in self.workers:
+            for i in self.fragments[f]:
+                params[i].copy_(self.global_params[i])
+
+    def finish(self) -> list[int]:
+        """The final synchronisation (see the module docstring); the fragments it synchronised."""
+        synced = []
+        with torch.no_grad():
+            if self.kept is not None:
+                self._merge_kept()
+            for f in range(self.F):
+                if any(not torch.equal(params[i], self.global_params[i]) for params in self.workers
+                       for i in self.fragments[f]):
+                    self._sync(f)
+                    synced.append(f)
+        return synced
 
     def step(self, grad_fn: Callable) -> None:
         self.t += 1

@@ -22,8 +22,15 @@ from torch import Tensor
 
 from .. import pieces as passes
 from ..dense import world_size
-from ..hierarchy import (NodeGroups, _Scratch, check_hierarchical, hierarchical_average_, node_groups, ranks_per_node,
-                         shard_segments)
+from ..hierarchy import (
+    NodeGroups,
+    _Scratch,
+    check_hierarchical,
+    hierarchical_average_,
+    node_groups,
+    ranks_per_node,
+    shard_segments,
+)
 from ..plan import plan_for
 from ..stats import CommStats
 from .onebit import OnebitCompressor
@@ -40,20 +47,19 @@ class HierarchicalOnebitCompressor(OnebitCompressor):
         self.hierarchical = check_hierarchical(hierarchical)
         self._groups: NodeGroups | None = None
         self._groups_of: Any = None  # the process group they were made for (held: compared by identity)
-        self._made = False
         self._scratch = _Scratch()
 
-    def node_groups(self, group=None) -> NodeGroups:
-        """This rank's node groups in ``group`` (made once per group object)."""
-        if not self._made or self._groups_of is not group:
-            self._groups = node_groups(self.hierarchical, group)
-            self._groups_of, self._made = group, True
+    def node_groups(self, group=None, device=None) -> NodeGroups:
+        """This rank's node groups in ``group`` (made once per group object; ``device``: the tensors')."""
+        if self._groups is None or self._groups_of is not group:
+            self._groups = node_groups(self.hierarchical, group, device)
+            self._groups_of = group
         return self._groups
 
     def average_flat_(self, flat: Tensor, *, group=None, stats: CommStats | None = None) -> None:
         """Full-precision hierarchical mean of ``flat`` (fp32, 1-D) in place."""
         if world_size(group) > 1 and flat.numel():
-            hierarchical_average_(flat, self.node_groups(group), scratch=self._scratch, stats=stats)
+            hierarchical_average_(flat, self.node_groups(group, flat.device), scratch=self._scratch, stats=stats)
 
     def reduce_flat_(self, flat: Tensor, *, group=None, segments: Sequence[int] | None = None,
                      on_reset: Callable[[str], None] | None = None, stats: CommStats | None = None,
@@ -65,13 +71,13 @@ class HierarchicalOnebitCompressor(OnebitCompressor):
             passes.lerp_segments_(flat, momentum[0], momentum[1], plan_for(n, 1, segments).lengths)
         if world_size(group) == 1 or not n:
             return
-        groups = self.node_groups(group)
+        groups = self.node_groups(group, flat.device)
         size, start = groups.shard(n)
         pieces = shard_segments(segments, n, start, size)
-        base = super()
+        flat_reduce = super().reduce_flat_  # the 1-bit allreduce, across the nodes
 
         def across(shard: Tensor, inter: CommStats) -> None:
-            base.reduce_flat_(shard, group=groups.inter, segments=pieces, on_reset=on_reset, stats=inter)
+            flat_reduce(shard, group=groups.inter, segments=pieces, on_reset=on_reset, stats=inter)
 
         hierarchical_average_(flat, groups, scratch=self._scratch, across=across, stats=stats)
         if self.worker_error is not None:  # the buffers are this rank's of the whole group, for this node size

@@ -54,7 +54,7 @@ class OnebitCompressor(Compressor):
             if momentum is not None and flat.numel():
                 passes.lerp_segments_(flat, momentum[0], momentum[1], plan_for(flat.numel(), 1, segments).lengths)
             return
-        if self.worker_error is not None:
+        if self.worker_error is not None and self.server_error is not None:  # both or neither
             sizes = (self.worker_error.numel(), self.server_error.numel())
             if sizes != tuple(error_buffer_sizes(flat.numel(), world, segments)):
                 self.forget()
@@ -63,7 +63,7 @@ class OnebitCompressor(Compressor):
             elif self.worker_error.device != flat.device:
                 self.worker_error = self.worker_error.to(flat.device)
                 self.server_error = self.server_error.to(flat.device)
-        if self.worker_error is None:
+        if self.worker_error is None or self.server_error is None:
             self.worker_error, self.server_error = make_error_buffers(flat, group, segments)
             self.origin, self.made_per_node = (world, group_rank(group)), 1
         compressed_allreduce(flat, self.worker_error, self.server_error, group=group, stats=stats, segments=segments,
@@ -87,7 +87,7 @@ class OnebitCompressor(Compressor):
     # ------------------------------------------------------------------ the residuals' life
     def reset(self) -> None:
         """Zero the residuals (e.g. when what is compressed changes meaning: gradients -> momenta)."""
-        if self.worker_error is not None:
+        if self.worker_error is not None and self.server_error is not None:
             self.worker_error.zero_()
             self.server_error.zero_()
 

@@ -126,7 +126,7 @@ class PowerSGDCompressor(Compressor):
         self._count(stats, world, dtype, (sum(p_sizes), sum(q_sizes)), sum(matrices[i].numel() for i in mats),
                     0 if vec_flat is None else vec_flat.numel())
 
-        out: list[Tensor | None] = [None] * len(tensors)
+        out: dict[int, Tensor] = {}  # every tensor is a matrix or a vector
         for i, p, q in zip(mats, ps, qs):
             approx = (p @ q.t()).view(corrected[i].shape)
             if residuals is not None:
@@ -134,15 +134,16 @@ class PowerSGDCompressor(Compressor):
             out[i] = approx if average else approx * world
             if self.reuse_query:
                 self._queries[keys[i]] = q.clone()
-        offset = 0
-        for i in vecs:
-            n = corrected[i].numel()
-            summed = vec_flat[offset:offset + n].view(corrected[i].shape)
-            offset += n
-            if residuals is not None:  # sent exactly: nothing is left over
-                residuals[i].zero_()
-            out[i] = summed / world if average else summed
-        return [o.to(t.dtype) for o, t in zip(out, tensors)]
+        if vec_flat is not None:
+            offset = 0
+            for i in vecs:
+                n = corrected[i].numel()
+                summed = vec_flat[offset:offset + n].view(corrected[i].shape)
+                offset += n
+                if residuals is not None:  # sent exactly: nothing is left over
+                    residuals[i].zero_()
+                out[i] = summed / world if average else summed
+        return [out[i].to(t.dtype) for i, t in enumerate(tensors)]
 
     def _query(self, key: Hashable, m: int, r: int, dtype: torch.dtype, device: torch.device) -> Tensor:
         q = self._queries.get(key) if self.reuse_query else None
@@ -165,7 +166,7 @@ class PowerSGDCompressor(Compressor):
 
     def ranks_of(self, shapes: Sequence[tuple[int, ...]]) -> list[tuple[int, int, int] | None]:
         """``(n, m, r)`` per shape, None for the uncompressed ones."""
-        out = []
+        out: list[tuple[int, int, int] | None] = []
         for shape in shapes:
             if len(shape) <= 1:
                 out.append(None)
@@ -202,6 +203,6 @@ class PowerSGDCompressor(Compressor):
         if not isinstance(queries, Mapping) or not all(isinstance(q, Tensor) and q.dim() == 2 and q.is_floating_point()
                                                        for q in queries.values()):
             raise ValueError("state: 'queries' must map keys to 2-D real floating-point tensors")
-        check_generator_state("generator", generator)
-        self.generator.set_state(generator.clone())
+        saved = check_generator_state("generator", generator)
+        self.generator.set_state(saved.clone())
         self._queries = {k: q.clone() for k, q in queries.items()}

@@ -12,7 +12,8 @@ may be shorter), :math:`b` bits, :math:`L = 2^{b-1} - 1` (127 for int8, 7 for in
 
 ``rounding="nearest"`` (default) or ``"stochastic"``. Stochastic draws: ``torch.rand(d, generator=gen,
 dtype=torch.float32)`` per tensor per call, in tensor order, from a generator seeded ``seed + rank`` (this
-process's global rank when the quantizer is built: each rank draws its own); its state is in :meth:`state_dict`. With error feedback (the
+process's global rank when the quantizer is built: each rank draws its own); its state is in :meth:`state_dict`.
+With error feedback (the
 ``residuals`` of ``reduce``), what rounding drops comes back in the next call: :math:`e \leftarrow c - C(c)`.
 
 Wire: one uint8 buffer per call, all-gathered. Per tensor: the codes (int8: one byte each, two's
@@ -136,7 +137,7 @@ class Quantizer(LocalCompressor):
                 "rounding": ROUNDINGS.index(self.rounding), "seed": self.seed}
 
     def start_reduce(self, tensors: Sequence[Tensor], residuals: Sequence[Tensor] | None = None, *, group=None,
-                     average: bool = True, stats: CommStats | None = None) -> "PendingQuantized":
+                     average: bool = True, stats: CommStats | None = None) -> PendingQuantized:
         """``reduce`` with the all-gather left in flight: ``.wait()`` returns what ``reduce`` would."""
         tensors, residuals = check_reduce_args(tensors, residuals, group, average)
         agree_layout(self, self.agreement_fields(tensors), group, tensors)
@@ -148,7 +149,7 @@ class Quantizer(LocalCompressor):
         return self.start_reduce(tensors, residuals, group=group, average=average, stats=stats).wait()
 
     def start_exchange(self, payloads: Sequence[QuantizedPayload], *, group=None, average: bool = True,
-                       stats: CommStats | None = None, like: Sequence[Tensor] | None = None) -> "PendingQuantized":
+                       stats: CommStats | None = None, like: Sequence[Tensor] | None = None) -> PendingQuantized:
         world = world_size(group)
         mine = torch.cat([part for p in payloads for part in (p.codes, p.scales.view(torch.uint8))])
         if world == 1:

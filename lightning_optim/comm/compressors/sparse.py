@@ -27,7 +27,7 @@ from __future__ import annotations
 import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -174,7 +174,9 @@ class Sparsifier(LocalCompressor):
 
     def k_for(self, numel: int) -> int:
         """Elements kept of a ``numel``-element tensor."""
-        return self.k if self.k is not None else max(1, int(self.ratio * numel))
+        if self.k is not None:
+            return self.k
+        return max(1, int(cast(float, self.ratio) * numel))  # _check_k_ratio: ratio is set when k is not
 
     def check_numel(self, numel: int, index: int) -> None:
         if self.k is not None and self.k > numel:

@@ -11,7 +11,7 @@ name               state (arguments)           per bucket
 =================  ==========================  ===============================================
 ``"topk"``         ``TopKHookState``           top-k of each param, error feedback, all-gather
 ``"randomk"``      ``RandomKHookState``        random-k, error feedback, all-reduce/all-gather
-``"signsgd"``      ``SignSGDHookState``        scaled sign (EF-SignSGD) or majority vote
+``"sign_sgd"``     ``SignSGDHookState``        scaled sign (EF-SignSGD) or majority vote
 ``"powersgd"``     ``PowerSGDHookState``       torch's ``powerSGD_hook`` (counted, layout-safe)
 ``"decentralized"`` ``DecentralizedHookState``  nothing: local gradients; gossip after the step
 ``"local"``        ``LocalHookState``          nothing: local gradients (DiLoCo syncs the params)
@@ -26,9 +26,13 @@ Equations and bytes: each module's docstring; docs/distributed.md.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from torch import nn
+
+from lightning_optim.catalogue import STRATEGY_ALIASES
+from lightning_optim.renames import warn_renamed
 
 from ._bucket import HookState, ParamNames
 from .compressed import CompressionHookState, RandomKHookState, SignSGDHookState, TopKHookState, compression_hook
@@ -65,7 +69,7 @@ __all__ = [
 HOOKS: dict[str, tuple[type[HookState], Callable]] = {
     "topk": (TopKHookState, compression_hook),
     "randomk": (RandomKHookState, compression_hook),
-    "signsgd": (SignSGDHookState, compression_hook),
+    "sign_sgd": (SignSGDHookState, compression_hook),
     "powersgd": (PowerSGDHookState, powersgd_hook),
     "decentralized": (DecentralizedHookState, local_gradient_hook),
     "fp16_compress": (FP16CompressHookState, fp16_compress_hook),
@@ -74,7 +78,11 @@ HOOKS: dict[str, tuple[type[HookState], Callable]] = {
 
 
 def make_state(name: str, **kwargs: Any) -> HookState:
-    """The state of hook ``name`` (arguments checked; nothing collective happens)."""
+    """The state of hook ``name`` (arguments checked; nothing collective happens). An old name
+    (:data:`~lightning_optim.catalogue.STRATEGY_ALIASES`: ``"signsgd"``) warns and means its new one."""
+    if name in STRATEGY_ALIASES:
+        warn_renamed("hook name", name, STRATEGY_ALIASES[name])
+        name = STRATEGY_ALIASES[name]
     if name not in HOOKS:
         raise ValueError(f"hook name must be one of {sorted(HOOKS)}, got {name!r}")
     return HOOKS[name][0](**kwargs)

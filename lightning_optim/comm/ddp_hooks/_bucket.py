@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ...catalogue import STRATEGY_ALIASES
 from ..dense import world_size
 from ..stats import CommStats, comm_stats
 from ..timeouts import CommunicationError, check_process_group
@@ -69,12 +70,16 @@ class HookState:
         """Learn the names of ``ddp_model``'s params (before the first backward)."""
         self.names = ParamNames(ddp_model)
 
-    def names_of(self, bucket: Any) -> tuple[str, ...]:
+    def attached_names(self) -> ParamNames:
+        """The names of the attached model's params; raises when no model is attached."""
         if self.names is None:
             raise RuntimeError(f"{type(self).__name__} is not attached to a model: register it with "
                                "lightning_optim.comm.ddp_hooks.register_comm_hook(ddp_model, ...), or call "
                                "state.attach(ddp_model) before ddp_model.register_comm_hook(state, hook)")
-        return self.names.of(bucket)
+        return self.names
+
+    def names_of(self, bucket: Any) -> tuple[str, ...]:
+        return self.attached_names().of(bucket)
 
     def world_size(self) -> int:
         return world_size(self.group)
@@ -87,7 +92,10 @@ class HookState:
         return {"hook": self.hook_name, "rank": self.rank(), "world_size": self.world_size()}
 
     def _check_stamp(self, state: object) -> Mapping[str, Any]:
-        if not isinstance(state, Mapping) or state.get("hook") != self.hook_name:
+        saved = state.get("hook") if isinstance(state, Mapping) else None
+        if isinstance(saved, str):  # a state saved under a hook's old name (STRATEGY_ALIASES: "signsgd") is its
+            saved = STRATEGY_ALIASES.get(saved, saved)
+        if not isinstance(state, Mapping) or saved != self.hook_name:
             got = state.get("hook") if isinstance(state, Mapping) else type(state).__name__
             raise ValueError(f"state: expected a {type(self).__name__}.state_dict() (hook {self.hook_name!r}), "
                              f"got {got!r}")

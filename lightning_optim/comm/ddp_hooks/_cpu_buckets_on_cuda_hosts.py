@@ -3,16 +3,21 @@
 The hook ends each bucket with ``if torch.cuda.is_available(): torch.cuda.synchronize(bucket.device)``
 (torch 2.11 and 2.13 alike), which raises ``Expected a cuda device, but got: cpu`` for a gloo run on CPU
 tensors on a GPU host (seen on an H100 machine: every PowerSGD step failed). Synchronising a CPU device is
-meaningless, so the hook's module is given a view of ``torch`` whose ``cuda.synchronize`` skips non-CUDA
-devices; everything else is torch itself, and no other module sees the change.
+meaningless. So our hook calls torch's own code from a private instance of torch's module: the same source,
+executed once more into a module object of our own (never placed in ``sys.modules``), whose global ``torch``
+is a view of torch with a ``cuda.synchronize`` that skips non-CUDA devices. torch's module, and every user of
+it, stays exactly as torch made it; its classes (``PowerSGDState``) are the ones our hook is given.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import types
 from typing import Any
 
 import torch
+
+_TORCH_MODULE = "torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook"
 
 
 class _CudaView(types.ModuleType):
@@ -33,7 +38,12 @@ class _TorchView(types.ModuleType):
         return getattr(torch, name)
 
 
-def let_cpu_buckets_through(module: types.ModuleType) -> None:
-    """Point ``module``'s global ``torch`` at the view above (idempotent)."""
-    if not isinstance(getattr(module, "torch", None), _TorchView):
-        module.torch = _TorchView("torch")
+def private_powersgd_module() -> types.ModuleType:
+    """A fresh instance of torch's ``powerSGD_hook`` module whose ``torch`` global is the view above."""
+    spec = importlib.util.find_spec(_TORCH_MODULE)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"{_TORCH_MODULE} is not importable")
+    module = importlib.util.module_from_spec(spec)  # same name and package (its relative imports resolve)
+    spec.loader.exec_module(module)
+    module.torch = _TorchView("torch")  # type: ignore[attr-defined]  # our own module object, not torch's
+    return module

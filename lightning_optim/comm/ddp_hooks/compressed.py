@@ -1,4 +1,4 @@
-r"""DDP comm hooks that compress every bucket with error feedback: ``"topk"``, ``"randomk"``, ``"signsgd"``.
+r"""DDP comm hooks that compress every bucket with error feedback: ``"topk"``, ``"randomk"``, ``"sign_sgd"``.
 
 For each bucket, on every rank :math:`r`, each param's local gradient :math:`g` with this rank's
 residual :math:`e` of that param (zeros at first):
@@ -14,7 +14,7 @@ with :math:`C` from :mod:`lightning_optim.comm.compressors`, per param tensor of
 * ``"randomk"``: :math:`k` positions drawn from a generator seeded ``seed``; with ``shared_indices``
   (default) every rank draws the same positions and only the values are all-reduced (ring bytes of
   :math:`k` fp32), else each rank draws its own (``seed + rank``) and values + indices are all-gathered;
-* ``"signsgd"``: EF-SignSGD's scaled sign :math:`\frac{\|c\|_1}{d}\operatorname{sign}(c)`, one bit per
+* ``"sign_sgd"``: EF-SignSGD's scaled sign :math:`\frac{\|c\|_1}{d}\operatorname{sign}(c)`, one bit per
   element and one fp32 scale per param, all-gathered; ``majority_vote=True``: signSGD's vote
   :math:`\operatorname{sign}(\sum_r \operatorname{sign}(c_r))` (not averaged; the paper has no error
   feedback: pass ``error_feedback=False`` for it).
@@ -33,7 +33,7 @@ them. ``state_dict()`` holds this rank's residuals (and random-k's generator): p
 """
 # no ``from __future__ import annotations``: DDP checks the hook's return annotation at runtime
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -76,7 +76,7 @@ class CompressionHookState(HookState):
         residuals = state.get("residuals")
         self.feedback.load_state_dict({"residuals": residuals})  # checks the tensors first
         self.compressor.load_state_dict(state.get("compressor", {}))
-        dtypes = {e.dtype for e in residuals.values()}
+        dtypes = {e.dtype for e in cast(Mapping[str, Tensor], residuals).values()}  # checked just above
         self.feedback.dtype = dtypes.pop() if len(dtypes) == 1 else None
 
 
@@ -87,8 +87,9 @@ class TopKHookState(CompressionHookState):
 
     def __init__(self, ratio: float = 0.01, *, error_feedback: bool = True, group: Any = None,
                  stats: CommStats | None = None) -> None:
-        super().__init__(TopK(ratio=ratio), error_feedback=error_feedback, group=group, stats=stats)
-        self.ratio = self.compressor.ratio
+        compressor = TopK(ratio=ratio)
+        super().__init__(compressor, error_feedback=error_feedback, group=group, stats=stats)
+        self.ratio = compressor.ratio
 
 
 class RandomKHookState(CompressionHookState):
@@ -98,15 +99,15 @@ class RandomKHookState(CompressionHookState):
 
     def __init__(self, ratio: float = 0.01, *, seed: int = 0, shared_indices: bool = True,
                  error_feedback: bool = True, group: Any = None, stats: CommStats | None = None) -> None:
-        super().__init__(RandomK(ratio=ratio, seed=seed, shared_indices=shared_indices),
-                         error_feedback=error_feedback, group=group, stats=stats)
-        self.ratio, self.seed, self.shared_indices = self.compressor.ratio, seed, shared_indices
+        compressor = RandomK(ratio=ratio, seed=seed, shared_indices=shared_indices)
+        super().__init__(compressor, error_feedback=error_feedback, group=group, stats=stats)
+        self.ratio, self.seed, self.shared_indices = compressor.ratio, seed, shared_indices
 
 
 class SignSGDHookState(CompressionHookState):
-    """``"signsgd"``: EF-SignSGD's scaled sign, or signSGD's majority vote (``majority_vote=True``)."""
+    """``"sign_sgd"``: EF-SignSGD's scaled sign, or signSGD's majority vote (``majority_vote=True``)."""
 
-    hook_name = "signsgd"
+    hook_name = "sign_sgd"
 
     def __init__(self, *, majority_vote: bool = False, error_feedback: bool = True, group: Any = None,
                  stats: CommStats | None = None) -> None:
@@ -119,7 +120,8 @@ def compression_hook(state: CompressionHookState, bucket) -> torch.futures.Futur
     """DDP comm hook: the bucket's gradients compressed with error feedback and averaged over ranks."""
     names = state.names_of(bucket)
     grads = bucket.gradients()  # views into bucket.buffer(), one per param
-    order = sorted(range(len(names)), key=lambda i: state.names.position[names[i]])
+    position = state.attached_names().position
+    order = sorted(range(len(names)), key=lambda i: position[names[i]])
     tensors = [grads[i] for i in order]
     keys = [names[i] for i in order]
     residuals = state.residuals(keys, tensors) if state.error_feedback else None

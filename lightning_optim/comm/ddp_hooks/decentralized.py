@@ -51,7 +51,7 @@ _NAME = re.compile(r"^(ring|exponential|torus|torus:\d+x\d+)$")
 
 
 def _is_rank(value: object) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 0
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and int(value) >= 0
 
 
 def check_neighbors(neighbors: object) -> object:

@@ -8,7 +8,7 @@ each step, ``decentralized.py``). Bytes: none.
 
 # no ``from __future__ import annotations``: DDP checks the hook's return annotation at runtime
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -36,7 +36,13 @@ class LocalHookState(HookState):
         self.buckets_local = check_int("state['buckets_local']", state.get("buckets_local"), 0)
 
 
-def local_gradient_hook(state: HookState, bucket) -> torch.futures.Future[torch.Tensor]:
+class LocalBucketCounter(Protocol):
+    """A hook state that counts the buckets it kept local (``LocalHookState``, ``DecentralizedHookState``)."""
+
+    buckets_local: int
+
+
+def local_gradient_hook(state: LocalBucketCounter, bucket) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook: the bucket unreduced (this rank's own gradients; nothing is sent)."""
     state.buckets_local += 1
     return done(bucket.buffer())

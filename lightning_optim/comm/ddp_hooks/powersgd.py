@@ -61,7 +61,7 @@ only when ``matrix_approximation_rank`` and ``min_compression_rate`` are the sav
 import contextlib
 import logging
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -75,9 +75,10 @@ from ..agreement import agree, fingerprint
 from ..stats import CommStats, ring_allreduce_bytes
 from ..timeouts import collective_timeout
 from ._bucket import HookState, bounded, stats_lock
-from ._cpu_buckets_on_cuda_hosts import let_cpu_buckets_through
+from ._cpu_buckets_on_cuda_hosts import private_powersgd_module
 
-let_cpu_buckets_through(torch_powersgd)
+# torch's hook function, run from a private instance of its module that lets CPU buckets through on CUDA hosts
+_hook_module = private_powersgd_module()
 
 __all__ = ["PowerSGDHookState", "powersgd_hook"]
 
@@ -99,7 +100,9 @@ def _quiet() -> Iterator[None]:
 
 
 def _rng_tensors(rng: np.random.RandomState) -> dict[str, Any]:
-    kind, keys, pos, has_gauss, cached = rng.get_state()
+    # numpy's stub types the argument-less call as the dict form; RandomState returns the legacy tuple
+    legacy = cast(tuple[str, np.ndarray, int, int, float], rng.get_state())
+    _kind, keys, pos, has_gauss, cached = legacy
     return {"keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos), "has_gauss": int(has_gauss),
             "cached_gaussian": float(cached)}
 
@@ -161,23 +164,26 @@ class PowerSGDHookState(HookState):
                   "min_compression_rate (x1e6)": round(ts.min_compression_rate * 1e6),
                   "use_error_feedback": int(ts.use_error_feedback), "warm_start": int(ts.warm_start),
                   "orthogonalization_epsilon": fingerprint([ts.orthogonalization_epsilon]),
-                  "random_seed": self.random_seed, "batch_tensors_with_same_shape": int(ts.batch_tensors_with_same_shape),
-                  "the params' shapes": fingerprint(self.names.shapes.items())}
+                  "random_seed": self.random_seed,
+                  "batch_tensors_with_same_shape": int(ts.batch_tensors_with_same_shape),
+                  "the params' shapes": fingerprint(self.attached_names().shapes.items())}
         agree("PowerSGDHookState", tuple(values), values, group=self.group)
 
     # ------------------------------------------------------------------ layouts
     def _offsets(self, layout: tuple[str, ...]) -> Iterator[tuple[str, int, int]]:
-        offset = 0
+        offset, shapes = 0, self.attached_names().shapes
         for name in layout:
-            numel = int(torch.Size(self.names.shapes[name]).numel())
+            numel = int(torch.Size(shapes[name]).numel())
             yield name, offset, numel
             offset += numel
 
     def plan(self, layout: tuple[str, ...]) -> tuple[list[tuple[str, int, int, int]], list[str]]:
         """``([(name, n, m, r)] in the order of torch's P/Q memory, [uncompressed names])`` by torch's rule."""
-        ts, groups, plain = self.torch_state, {}, []
+        ts, shapes = self.torch_state, self.attached_names().shapes
+        groups: dict[tuple[int, int], list[tuple[str, int, int, int]]] = {}
+        plain: list[str] = []
         for name in layout:
-            shape = self.names.shapes[name]
+            shape = shapes[name]
             n = shape[0] if shape else 1
             m = int(torch.Size(shape).numel()) // max(n, 1)
             r = min(n, m, ts.matrix_approximation_rank)
@@ -249,7 +255,8 @@ class PowerSGDHookState(HookState):
         p = sum(n * r for _, n, _, r in compressed)
         q = sum(m * r for _, _, m, r in compressed)
         dense = sum(n * m for _, n, m, _ in compressed)
-        plain_numel = sum(int(torch.Size(self.names.shapes[name]).numel()) for name in plain)
+        shapes = self.attached_names().shapes
+        plain_numel = sum(int(torch.Size(shapes[name]).numel()) for name in plain)
 
         def count() -> None:
             if dense:
@@ -362,7 +369,7 @@ def powersgd_hook(state: PowerSGDHookState, bucket) -> torch.futures.Future[torc
                 count()
 
     if compressing:
-        fut = state._after_previous(lambda: torch_powersgd.powerSGD_hook(ts, bucket))
+        fut = state._after_previous(lambda: _hook_module.powerSGD_hook(ts, bucket))
     else:  # one all-reduce, issued here on the autograd thread: the same order on every rank
-        fut = torch_powersgd.powerSGD_hook(ts, bucket)
+        fut = _hook_module.powerSGD_hook(ts, bucket)
     return bounded(fut, collective_timeout(), f"PowerSGD bucket {bucket.index()}", on_success=counted)

@@ -27,10 +27,12 @@ Under DDP release saves no memory (DDP's bucket buffers persist); its gain is ov
 # no ``from __future__ import annotations``: DDP checks the hook's return annotation at runtime
 import threading
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
 
 from lightning_optim.comm.dense import allreduce_mean, world_size
 from lightning_optim.comm.hooks import _bounded, _done
@@ -41,22 +43,29 @@ from lightning_optim.optim.release import release_handles
 __all__ = ["ReleaseHookState", "release_hook", "register_ddp_release"]
 
 
+class StepsOneParam(Protocol):
+    """An optimizer that steps one param with a given gradient (``BaseOptimizer.step_param``)."""
+
+    def step_param(self, p: Tensor, grad: Tensor | None = None) -> None: ...
+
+
 @dataclass
 class ReleaseHookState:
     """State of :func:`release_hook`: the optimizer and what the last backward stepped."""
 
-    optimizer: object
+    optimizer: StepsOneParam
     group: object = None
     lock: threading.Lock = field(default_factory=threading.Lock)
     stepped: list = field(default_factory=list)
     buckets_stepped: int = 0
     active: bool = True  # False after remove_gradient_release: plain averaging (a hook cannot be unregistered)
-    forward_hook: object = None
+    forward_hook: RemovableHandle | None = None
 
     def remove(self) -> None:
         """Back to plain averaging (DDP keeps its comm hook: one cannot be unregistered)."""
         self.active = False
-        self.forward_hook.remove()
+        if self.forward_hook is not None:  # register_ddp_release sets it
+            self.forward_hook.remove()
         self.drop_stepped_grads()
 
     def drop_stepped_grads(self) -> None:
