@@ -88,6 +88,8 @@ def argument_aliases(*table: Alias) -> Callable[[C], C]:
     class docstring."""
 
     def decorate(cls: C) -> C:
+        # this wraps methods of the decorated class in place; mypy refuses reading __init__ off a class object
+        # and assigning methods or marks to it: the type ignores below are those
         init = cls.__init__  # type: ignore[misc]
         signature = inspect.signature(init)
         owner = cls.__name__
