@@ -50,6 +50,7 @@ from lightning_optim.comm.agreement import agree
 from lightning_optim.comm.compressors import PowerSGDCompressor
 from lightning_optim.comm.timeouts import check_process_group
 from lightning_optim.distributed.agreement import required
+from lightning_optim.optim.hooks import install_state, load_with_hooks, packed_state_dict, state_dict_with_hooks
 from lightning_optim.optim.state_dicts import check_state_tensor
 from lightning_optim.optim.validation import (
     check_flag,
@@ -108,6 +109,13 @@ def _check_sgd(lr: object, momentum: object, weight_decay: object, dampening: ob
     if check_flag("nesterov", nesterov) and (mu <= 0 or damp != 0):
         raise ValueError(f"nesterov=True needs momentum > 0 and dampening 0, got momentum={momentum}, "
                          f"dampening={dampening}")
+
+
+def _as_param_state(p: Tensor, key: str, value: Any) -> Any:
+    """A loaded state value as torch's SGD casts it (a copy on ``p``'s device, floating ones in ``p``'s dtype)."""
+    if not isinstance(value, Tensor) or key == "step":
+        return value
+    return value.to(device=p.device, dtype=p.dtype if value.is_floating_point() else value.dtype, copy=True)
 
 
 def _group_params(params: Tensor | Iterable[Any]) -> list[Any] | set[Any]:
@@ -244,17 +252,28 @@ class PowerSGD(CommunicatingOptimizer, torch.optim.SGD):
                 p.grad.copy_(aggregated)
 
     # ------------------------------------------------------------------ state dicts
+    @torch._disable_dynamo
     def state_dict(self) -> dict[str, Any]:
-        state_dict = super().state_dict()
+        """torch's SGD state dict plus the compressor's; torch's state-dict hooks see (and may replace) the whole."""
+        return state_dict_with_hooks(self, self._state_dict)
+
+    def _state_dict(self) -> dict[str, Any]:
+        state_dict = packed_state_dict(self)
         state_dict[STATE_KEY] = self.compressor.state_dict()
         return state_dict
 
+    @torch._disable_dynamo
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's SGD state (momentum, memory per param) and, when present, the compressor's.
 
         Everything is checked first (the groups as the constructor checks them, each state a real
         floating-point tensor shaped like its param, the compressor's part), so a refused dict changes nothing.
+        torch's load hooks run as torch runs them: the pre-hooks on the given dict, before the checks; the
+        post-hooks once the compressor's part is loaded too.
         """
+        load_with_hooks(self, state_dict, self._load_state_dict)
+
+    def _load_state_dict(self, state_dict: dict[str, Any]) -> None:
         for gi, group, old in saved_groups(self, state_dict):  # torch's SGD would take any value
             try:
                 self._validate_group({**self.defaults, **old, "params": group["params"]})
@@ -268,6 +287,7 @@ class PowerSGD(CommunicatingOptimizer, torch.optim.SGD):
                 check.load_state_dict(saved)
             except (TypeError, ValueError, RuntimeError) as exc:  # RuntimeError: torch refused the generator state
                 raise ValueError(f"state_dict: {STATE_KEY} {exc}") from None
-        super().load_state_dict({k: v for k, v in state_dict.items() if k != STATE_KEY})
+        # torch's SGD loading: each state tensor on its param's device, in its dtype
+        install_state(self, state_dict["param_groups"], state_dict["state"], cast=_as_param_state)
         if saved is not None:
             self.compressor.load_state_dict(saved)

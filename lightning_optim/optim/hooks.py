@@ -66,10 +66,12 @@ def load_with_hooks(opt: torch.optim.Optimizer, state_dict: Any, load: Callable[
         post_hook(opt)
 
 
-def install_state(opt: torch.optim.Optimizer, groups: list[dict[str, Any]], state: dict[Any, dict[str, Any]]) -> None:
+def install_state(opt: torch.optim.Optimizer, groups: list[dict[str, Any]], state: dict[Any, dict[str, Any]],
+                  cast: Callable[[Tensor, str, Any], Any] | None = None) -> None:
     """Make the checked ``groups`` (saved values, one per live group) and ``state`` (by saved param id) the
     optimizer's: each group keeps its live params (and its ``param_names`` when the saved one has none),
-    every other value is a copy; ``state`` maps onto the params in order, as torch's loading does."""
+    every other value is a copy; ``state`` maps onto the params in order, as torch's loading does, each
+    value through ``cast(param, key, value)`` when given."""
     new_groups = []
     for live, saved in zip(opt.param_groups, groups):
         new = copy.deepcopy({k: v for k, v in saved.items() if k != "params"})
@@ -82,5 +84,6 @@ def install_state(opt: torch.optim.Optimizer, groups: list[dict[str, Any]], stat
     new_state: defaultdict[Tensor, dict[str, Any]] = defaultdict(dict)
     for pid, entry in state.items():
         if pid in by_id:
-            new_state[by_id[pid]] = entry
+            p = by_id[pid]
+            new_state[p] = entry if cast is None else {k: cast(p, k, v) for k, v in entry.items()}
     opt.__setstate__({"state": new_state, "param_groups": new_groups})

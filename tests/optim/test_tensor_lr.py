@@ -128,7 +128,7 @@ needs_dynamo = pytest.mark.skipif(not torch._dynamo.is_dynamo_supported(),
 
 
 @needs_dynamo
-@pytest.mark.parametrize("lr_kind", ["tensor", "float"])
+@pytest.mark.parametrize("lr_kind", ["tensor", "one-element tensor", "float"])
 @pytest.mark.parametrize("name", COMPILED)
 def test_compiled_step_with_a_scheduled_lr(name, lr_kind, ext, monkeypatch):
     """A scheduler changes the lr every step: the compiled step hands it to the op as a tensor (a float
@@ -139,6 +139,9 @@ def test_compiled_step_with_a_scheduled_lr(name, lr_kind, ext, monkeypatch):
     if lr_kind == "float":
         def cls(params, lr, _cls=cls, **kw):
             return _cls(params, lr=float(lr), **kw)
+    elif lr_kind == "one-element tensor":  # shape (1,), as torch.optim takes too
+        def cls(params, lr, _cls=cls, **kw):
+            return _cls(params, lr=lr.reshape(1), **kw)
     torch._dynamo.reset()
     compiled, frames = compiled_run(cls, kwargs, steps=8, compile_it=True)
     eager, _ = compiled_run(cls, kwargs, steps=8, compile_it=False)

@@ -23,7 +23,7 @@ from torch.optim.lr_scheduler import OneCycleLR, StepLR
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.optim.swa_utils import SWALR
 
-from lightning_optim.distributed import CentralizedAdam, CentralizedSGD
+from lightning_optim.distributed import CentralizedAdam, CentralizedSGD, PowerSGD
 from lightning_optim.onebit import OnebitAdam, OnebitLamb, ZeroOneAdam
 from tests.optim.specs import SPECS
 
@@ -270,17 +270,34 @@ def test_a_load_post_hook_sees_the_optimizer_fully_loaded(cls, kwargs):
     assert seen == [_state_bytes(opt)]
 
 
-CENTRALIZED = {"CentralizedSGD": lambda model: CentralizedSGD(None, model, lr=1e-2, momentum=0.9),
-               "CentralizedAdam": lambda model: CentralizedAdam(None, model, lr=1e-2)}
+# built over a model, one process (the aggregation is the identity): the mlbench wrappers hand their state dicts
+# to the local optimizer, PowerSGD (a torch.optim.SGD) adds its compressor's part
+MODEL_BUILT = {"CentralizedSGD": lambda model: CentralizedSGD(None, model, lr=1e-2, momentum=0.9),
+               "CentralizedAdam": lambda model: CentralizedAdam(None, model, lr=1e-2),
+               "PowerSGD": lambda model: PowerSGD(model, lr=1e-2, momentum=0.9, reuse_query=True)}
 
 
-@pytest.mark.parametrize("name", CENTRALIZED)
-def test_a_centralized_optimizers_own_hooks_run_in_torchs_order(name):
-    """The mlbench wrappers hand their state dicts to the local optimizer: hooks registered on the wrapper
-    still run, as on any torch.optim optimizer (one process: the aggregation is the identity)."""
+@pytest.mark.parametrize("name", MODEL_BUILT)
+def test_hooks_of_the_optimizers_built_over_a_model_run_as_torchs(name):
     model = nn.Linear(4, 3)
-    events = _hooked_script(CENTRALIZED[name](model), list(model.parameters()))
+    opt = MODEL_BUILT[name](model)
+    params = list(model.parameters())
+    events = _hooked_script(opt, params)
     reference_params = _params()
     expected = _hooked_script(_make(torch.optim.SGD, dict(lr=1e-2, momentum=0.9), reference_params),
                               reference_params)
     assert events == expected
+    # the state-dict post-hook sees the whole dict, the load post-hook the optimizer fully loaded
+    keys, seen = sorted(opt.state_dict()), []
+    handles = [opt.register_state_dict_post_hook(lambda o, sd: seen.append(sorted(sd))),
+               opt.register_load_state_dict_post_hook(lambda o: seen.append(_state_bytes(o)))]
+    saved = copy.deepcopy(opt.state_dict())
+    other_model = nn.Linear(4, 3)
+    other = MODEL_BUILT[name](other_model)
+    _grads(list(other_model.parameters()), torch.Generator().manual_seed(2))
+    other.step()
+    handles += [other.register_load_state_dict_post_hook(lambda o: seen.append(_state_bytes(o)))]
+    other.load_state_dict(saved)
+    for handle in handles:
+        handle.remove()
+    assert seen[0] == keys and seen[1] == _state_bytes(other)
