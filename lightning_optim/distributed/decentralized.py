@@ -59,6 +59,7 @@ from torch import nn
 from lightning_optim.comm.agreement import fingerprint, layout_signature, share_rows
 from lightning_optim.comm.gossip import Topology, agree_topology, gossip_average
 from lightning_optim.distributed.agreement import required
+from lightning_optim.optim.hooks import step_without_hooks
 from lightning_optim.optim.sgd import SGD
 from lightning_optim.optim.validation import check_flag, check_non_negative, check_unit_interval, plain_numbers
 
@@ -185,7 +186,7 @@ class DecentralizedSGD(SGD):
         ``tracker``: mlbench's ``Tracker`` (or anything with ``record_batch_opt_step`` and
         ``record_batch_agg``); its hooks are called after the step and after the averaging.
         """
-        loss = super().step(closure)
+        loss = step_without_hooks(SGD)(self, closure)  # torch's hooks run once, around this step
         if tracker is not None:
             tracker.record_batch_opt_step()
         gossip_average(self._gossip_params, self.topology, by_layer=self.by_layer)

@@ -76,6 +76,7 @@ from torch import Tensor
 from lightning_optim.comm.agreement import agree, fingerprint, layout_signature
 from lightning_optim.comm.dense import world_size
 from lightning_optim.comm.timeouts import check_process_group
+from lightning_optim.optim.hooks import load_with_hooks, state_dict_with_hooks
 from lightning_optim.optim.validation import check_flag, check_int, check_positive, check_unit_interval
 
 from .agreement import bits_float, float_bits
@@ -379,7 +380,11 @@ class DiLoCo(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         """The inner optimizer's state dict plus ``"diloco"`` (see ``diloco_state.py``); an overlapped exchange
-        in flight is waited for (it was issued on every rank: no other rank needs to join)."""
+        in flight is waited for (it was issued on every rank: no other rank needs to join). State-dict hooks
+        registered on DiLoCo run around the whole, as torch runs them."""
+        return state_dict_with_hooks(self, self._state_dict)
+
+    def _state_dict(self) -> dict[str, Any]:
         out = self.inner.state_dict()
         pending = None
         if self.pending is not None:
@@ -400,7 +405,11 @@ class DiLoCo(torch.optim.Optimizer):
         return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Check everything (naming the key), load the inner optimizer's part, then take DiLoCo's."""
+        """Check everything (naming the key), load the inner optimizer's part, then take DiLoCo's. Load hooks
+        registered on DiLoCo run as torch runs them: the pre-hooks before the checks, the post-hooks after."""
+        load_with_hooks(self, state_dict, self._load_state_dict)
+
+    def _load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if not isinstance(state_dict, dict):
             raise ValueError(f"state_dict must be a dict from DiLoCo.state_dict(), got {type(state_dict).__name__}")
         loaded = check_section(state_dict.get("diloco"), settings=self._settings(), bounds=self.bounds,

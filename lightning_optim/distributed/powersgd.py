@@ -50,7 +50,13 @@ from lightning_optim.comm.agreement import agree
 from lightning_optim.comm.compressors import PowerSGDCompressor
 from lightning_optim.comm.timeouts import check_process_group
 from lightning_optim.distributed.agreement import required
-from lightning_optim.optim.hooks import install_state, load_with_hooks, packed_state_dict, state_dict_with_hooks
+from lightning_optim.optim.hooks import (
+    install_state,
+    load_with_hooks,
+    packed_state_dict,
+    state_dict_with_hooks,
+    step_without_hooks,
+)
 from lightning_optim.optim.state_dicts import check_state_tensor
 from lightning_optim.optim.validation import (
     check_flag,
@@ -216,7 +222,7 @@ class PowerSGD(CommunicatingOptimizer, torch.optim.SGD):
             self._aggregate(params)
         elif error is not None:
             raise error
-        super().step()
+        step_without_hooks(torch.optim.SGD)(self)  # torch's hooks run once, around this step
         return loss
 
     def _check_step(self, params: list[Tensor]) -> None:

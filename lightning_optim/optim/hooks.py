@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["install_state", "load_with_hooks", "packed_state_dict", "state_dict_with_hooks"]
+__all__ = ["install_state", "load_with_hooks", "packed_state_dict", "state_dict_with_hooks", "step_without_hooks"]
 
 
 def packed_state_dict(opt: torch.optim.Optimizer) -> dict[str, Any]:
@@ -87,3 +87,11 @@ def install_state(opt: torch.optim.Optimizer, groups: list[dict[str, Any]], stat
             p = by_id[pid]
             new_state[p] = entry if cast is None else {k: cast(p, k, v) for k, v in entry.items()}
     opt.__setstate__({"state": new_state, "param_groups": new_groups})
+
+
+def step_without_hooks(cls: type[torch.optim.Optimizer]) -> Callable[..., Any]:
+    """``cls.step`` without the wrapper that runs torch's step hooks. torch adds that wrapper to a class the
+    first time one of its instances is built, so a subclass whose own (wrapped) ``step`` calls its parent's
+    would run every hook twice once the parent class has been built somewhere in the process."""
+    step: Callable[..., Any] = cls.step
+    return getattr(step, "__wrapped__", step) if getattr(step, "hooked", False) else step

@@ -55,7 +55,7 @@ from tests.distributed_optim.load_sweep import (
 FAMILY = {**DISTRIBUTED_BUILDS, **EXTRA_BUILDS}
 # add_param_group refused outright: the aggregated params were agreed on by every rank at construction
 FIXED = {"generic_centralized", "centralized_sgd", "centralized_adam", "custom_centralized",
-         "generic_centralized[torch.optim.Adam]", "diloco"}
+         "generic_centralized[torch.optim.Adam]", "diloco", "diloco[torch.optim.AdamW]"}
 OPEN = {"powersgd": PowerSGD, "centralized_sparsified_sgd": CentralizedSparsifiedSGD}  # groups may be added
 
 

@@ -23,7 +23,8 @@ from torch.optim.lr_scheduler import OneCycleLR, StepLR
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.optim.swa_utils import SWALR
 
-from lightning_optim.distributed import CentralizedAdam, CentralizedSGD, PowerSGD
+import lightning_optim as lo
+from lightning_optim.distributed import CentralizedAdam, CentralizedSGD, DecentralizedSGD, DiLoCo, PowerSGD
 from lightning_optim.onebit import OnebitAdam, OnebitLamb, ZeroOneAdam
 from tests.optim.specs import SPECS
 
@@ -270,15 +271,21 @@ def test_a_load_post_hook_sees_the_optimizer_fully_loaded(cls, kwargs):
     assert seen == [_state_bytes(opt)]
 
 
-# built over a model, one process (the aggregation is the identity): the mlbench wrappers hand their state dicts
-# to the local optimizer, PowerSGD (a torch.optim.SGD) adds its compressor's part
+# built over a model, one process (the aggregation is the identity): the mlbench wrappers and DiLoCo hand their
+# state dicts to the local optimizer (DiLoCo adds its own part), PowerSGD (a torch.optim.SGD) adds its
+# compressor's; PowerSGD and DecentralizedSGD step through their parent's step, and the hooks must still run
+# once (torch wraps the parent's step too, once any instance of it was built, as the test makes sure)
 MODEL_BUILT = {"CentralizedSGD": lambda model: CentralizedSGD(None, model, lr=1e-2, momentum=0.9),
                "CentralizedAdam": lambda model: CentralizedAdam(None, model, lr=1e-2),
-               "PowerSGD": lambda model: PowerSGD(model, lr=1e-2, momentum=0.9, reuse_query=True)}
+               "PowerSGD": lambda model: PowerSGD(model, lr=1e-2, momentum=0.9, reuse_query=True),
+               "DecentralizedSGD": lambda model: DecentralizedSGD(model=model, lr=1e-2, momentum=0.9),
+               "DiLoCo": lambda model: DiLoCo(lo.AdamW(model.parameters(), lr=1e-2), sync_every=2)}
 
 
 @pytest.mark.parametrize("name", MODEL_BUILT)
 def test_hooks_of_the_optimizers_built_over_a_model_run_as_torchs(name):
+    for parent in (torch.optim.SGD, lo.SGD):  # built once: torch has wrapped the parents' steps
+        parent(_params(), lr=1e-2)
     model = nn.Linear(4, 3)
     opt = MODEL_BUILT[name](model)
     params = list(model.parameters())
