@@ -45,5 +45,5 @@ def require(extra: str, feature: str) -> None:
         raise ValueError(f"extra must be one of {sorted(EXTRAS)}, got {extra!r}")
     missing = [alternatives[0] for alternatives in EXTRAS[extra] if not any(map(installed, alternatives))]
     if missing:
-        raise ImportError(f"{feature} needs {', '.join(missing)}, which is not installed: "
+        raise ImportError(f"{feature} needs {', '.join(missing)} (not installed): "
                           f"pip install 'lightning-optim[{extra}]'", name=missing[0])

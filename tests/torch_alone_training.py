@@ -2,13 +2,14 @@
 
 ``python torch_alone_training.py single``: AdamW against torch.optim.AdamW, the adapters' ImportErrors.
 ``torchrun --nproc_per_node 2 torch_alone_training.py ranks``: OnebitAdam past its freeze step and DiLoCo past
-a sync on two gloo ranks. Each prints one JSON line of what it saw."""
+a sync on two gloo ranks. Each reports what it saw as JSON (stdout; report_rank<r>.json)."""
 
 from __future__ import annotations
 
 import importlib
 import json
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -104,4 +105,8 @@ def ranks() -> dict:
 
 
 if __name__ == "__main__":
-    print(json.dumps(single() if sys.argv[1] == "single" else ranks()), flush=True)
+    if sys.argv[1] == "single":
+        print(json.dumps(single()), flush=True)
+    else:  # one file per rank: torchrun's ranks share one stdout and their lines may interleave
+        report = ranks()
+        Path(f"report_rank{report['rank']}.json").write_text(json.dumps(report))

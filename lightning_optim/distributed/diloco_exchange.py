@@ -20,6 +20,7 @@ collectives keep their own full bound: their roll call ends ``grace`` after the 
 """
 from __future__ import annotations
 
+import ctypes
 import time
 import zlib
 from collections.abc import Callable, Sequence
@@ -155,7 +156,9 @@ def _checksum(tensors: Sequence[Tensor]) -> int:
     """crc32 of the tensors' bytes (31 bits: fits an int64 and its negation)."""
     crc = 0
     for t in tensors:
-        crc = zlib.crc32(t.detach().reshape(-1).cpu().view(torch.uint8).numpy().tobytes(), crc)
+        flat = t.detach().reshape(-1).cpu().contiguous()
+        if flat.numel():  # read in place (numpy, which torch.Tensor.numpy needs, is not a dependency)
+            crc = zlib.crc32((ctypes.c_char * (flat.numel() * flat.element_size())).from_address(flat.data_ptr()), crc)
     return crc
 
 

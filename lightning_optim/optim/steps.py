@@ -16,9 +16,10 @@ import math
 import numbers
 from typing import Any
 
-import numpy as np
 import torch
 from torch import Tensor
+
+from lightning_optim.optim.validation import is_bool
 
 __all__ = ["MAX_STEP", "BucketSteps", "check_step", "new_step", "step_dtype", "step_value"]
 
@@ -52,7 +53,7 @@ def check_step(value: Any, name: str) -> int:
             raise ValueError(f"{name} must be {valid}, got a {value.dtype} tensor of shape {tuple(value.shape)}")
         value = value.item()
         shown = f"tensor({value})"
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+    if is_bool(value) or not isinstance(value, numbers.Real):
         raise ValueError(f"{name} must be {valid}, got {type(value).__name__} ({shown})")
     if isinstance(value, numbers.Integral):
         count = int(value)

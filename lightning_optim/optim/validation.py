@@ -8,15 +8,28 @@ from __future__ import annotations
 
 import math
 import numbers
+import sys
 from collections.abc import Sequence
 
-import numpy as np
 import torch
+
+
+def is_bool(value: object) -> bool:
+    """A Python or numpy bool. numpy is never imported here (the core needs torch alone): a numpy bool can only
+    exist where numpy is already loaded."""
+    numpy = sys.modules.get("numpy")
+    return isinstance(value, bool) or (numpy is not None and isinstance(value, numpy.bool_))
+
+
+def is_numpy_scalar(value: object) -> bool:
+    """A numpy scalar (``numpy.float32(1e-3)``), told without importing numpy (see :func:`is_bool`)."""
+    numpy = sys.modules.get("numpy")
+    return numpy is not None and isinstance(value, numpy.generic)
 
 
 def _finite_number(name: str, value: object) -> float:
     # numbers.Real: Python and numpy ints/floats (torch accepts np.float32(1e-3)); bools are refused
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+    if is_bool(value) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a real number, got {type(value).__name__} ({value!r})")
     value = float(value)
     if not math.isfinite(value):
@@ -76,7 +89,7 @@ def check_betas(betas: Sequence[float], count: int = 2, name: str = "betas") -> 
 
 def check_int(name: str, value: object, minimum: int) -> int:
     """``value`` must be an integer (Python or numpy) >= ``minimum``."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+    if is_bool(value) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int in [{minimum}, inf), got {value!r}")
     if value < minimum:
         raise ValueError(f"{name} must be in [{minimum}, inf), got {value}")
@@ -85,10 +98,10 @@ def check_int(name: str, value: object, minimum: int) -> int:
 
 def plain_numbers(value: object) -> object:
     """numpy scalars (also inside tuples/lists) as Python numbers, so groups hold what torch expects."""
-    if isinstance(value, np.generic):
-        return value.item()
-    if isinstance(value, (tuple, list)) and any(isinstance(v, np.generic) for v in value):
-        return type(value)(v.item() if isinstance(v, np.generic) else v for v in value)
+    if is_numpy_scalar(value):
+        return value.item()  # type: ignore[attr-defined]  # a numpy scalar
+    if isinstance(value, (tuple, list)) and any(map(is_numpy_scalar, value)):
+        return type(value)(v.item() if is_numpy_scalar(v) else v for v in value)
     return value
 
 

@@ -13,11 +13,11 @@ import numbers
 from collections.abc import Iterable, Mapping, Set
 from typing import Any
 
-import numpy as np
 import torch
 from torch import Tensor
 
 from lightning_optim.optim.steps import check_step
+from lightning_optim.optim.validation import is_bool
 
 __all__ = ["check_bool", "check_callable", "check_count", "check_keys", "check_label", "check_number",
            "check_optimizer", "check_optimizer_state", "check_tensor_list", "clip_norm", "describe"]
@@ -39,7 +39,7 @@ def check_number(name: str, value: object, *, above: float | None = None, at_lea
                  below: float | None = None, allow_inf: bool = False) -> float:
     """A real number (Python or numpy) in ``(above | [at_least, below | inf)``; ``allow_inf``: +inf too."""
     valid = _range_text(above, at_least, below, allow_inf)
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+    if is_bool(value) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name}: must be a real number in {valid}, got {describe(value)}")
     number = float(value)
     if math.isnan(number) or (math.isinf(number) and not (allow_inf and number > 0)):
@@ -53,7 +53,7 @@ def check_number(name: str, value: object, *, above: float | None = None, at_lea
 def check_count(name: str, value: object, *, minimum: int = 0, maximum: int | None = None) -> int:
     """A whole number (Python or numpy int; not a float, not a bool) in ``[minimum, maximum]``."""
     valid = f"[{minimum}, {'inf)' if maximum is None else f'{maximum}]'}"
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+    if is_bool(value) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name}: must be an int in {valid}, got {describe(value)}")
     count = int(value)
     if count < minimum or (maximum is not None and count > maximum):
@@ -63,7 +63,7 @@ def check_count(name: str, value: object, *, minimum: int = 0, maximum: int | No
 
 def check_bool(name: str, value: object) -> bool:
     """True or False (numpy's too); a string such as ``"false"`` from a config is refused."""
-    if not isinstance(value, (bool, np.bool_)):
+    if not is_bool(value):
         raise TypeError(f"{name}: must be True or False, got {describe(value)}")
     return bool(value)
 

@@ -24,12 +24,12 @@ import numbers
 from collections.abc import Callable
 from typing import Any, cast
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_optim.comm.timeouts import collective
+from lightning_optim.optim.validation import is_bool
 from lightning_optim.precision._checks import (
     check_bool,
     check_callable,
@@ -335,5 +335,5 @@ def _check_denom(denom: Any) -> None:
         if denom.numel() != 1 or denom.is_complex() or denom.dtype == torch.bool:
             raise TypeError(f"denom: expected a number or a one-element real tensor, got {denom.dtype} of shape "
                             f"{tuple(denom.shape)}")
-    elif isinstance(denom, (bool, np.bool_)) or not isinstance(denom, numbers.Real):
+    elif is_bool(denom) or not isinstance(denom, numbers.Real):
         raise TypeError(f"denom: expected a number or a one-element real tensor, got {describe(denom)}")

@@ -59,15 +59,15 @@ only when ``matrix_approximation_rank`` and ``min_compression_rate`` are the sav
 """
 # no ``from __future__ import annotations``: DDP checks the hook's return annotation at runtime
 import contextlib
+import functools
 import logging
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, cast
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, cast
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
 
 from lightning_optim.optim.validation import check_flag, check_int, check_non_negative
 
@@ -77,8 +77,22 @@ from ..timeouts import collective_timeout
 from ._bucket import HookState, bounded, stats_lock
 from ._cpu_buckets_on_cuda_hosts import private_powersgd_module
 
-# torch's hook function, run from a private instance of its module that lets CPU buckets through on CUDA hosts
-_hook_module = private_powersgd_module()
+if TYPE_CHECKING:
+    import numpy as np
+
+
+
+@functools.cache
+def _torch_hook_modules() -> tuple[ModuleType, ModuleType]:
+    """torch's ``powerSGD_hook`` module (its ``PowerSGDState``) and the private instance of it whose hook lets CPU
+    buckets through on CUDA hosts. Imported on first use: torch's module needs numpy, which the rest of this
+    package does without."""
+    try:
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_module
+    except ModuleNotFoundError as missing:
+        raise ImportError(f"the 'powersgd' hook runs torch's powerSGD_hook, which needs {missing.name}: "
+                          f"pip install {missing.name}", name=missing.name) from missing
+    return torch_module, private_powersgd_module()
 
 __all__ = ["PowerSGDHookState", "powersgd_hook"]
 
@@ -90,7 +104,7 @@ _COUNTERS = ("iter", "total_numel_before_compression", "total_numel_after_compre
 @contextlib.contextmanager
 def _quiet() -> Iterator[None]:
     """torch logs a warning on every __getstate__/__setstate__ (the process group is not saved)."""
-    logger = logging.getLogger(torch_powersgd.__name__)
+    logger = logging.getLogger(_torch_hook_modules()[0].__name__)
     level = logger.level
     logger.setLevel(logging.ERROR)
     try:
@@ -99,7 +113,9 @@ def _quiet() -> Iterator[None]:
         logger.setLevel(level)
 
 
-def _rng_tensors(rng: np.random.RandomState) -> dict[str, Any]:
+def _rng_tensors(rng: "np.random.RandomState") -> dict[str, Any]:
+    import numpy as np
+
     # numpy's stub types the argument-less call as the dict form; RandomState returns the legacy tuple
     legacy = cast(tuple[str, np.ndarray, int, int, float], rng.get_state())
     _kind, keys, pos, has_gauss, cached = legacy
@@ -107,7 +123,9 @@ def _rng_tensors(rng: np.random.RandomState) -> dict[str, Any]:
             "cached_gaussian": float(cached)}
 
 
-def _rng_from(saved: Mapping[str, Any]) -> np.random.RandomState:
+def _rng_from(saved: Mapping[str, Any]) -> "np.random.RandomState":
+    import numpy as np
+
     rng = np.random.RandomState()
     rng.set_state(("MT19937", saved["keys"].numpy().astype(np.uint32), int(saved["pos"]), int(saved["has_gauss"]),
                    float(saved["cached_gaussian"])))
@@ -138,7 +156,7 @@ class PowerSGDHookState(HookState):
             raise ValueError(f"start_powerSGD_iter must be in [2, inf) with use_error_feedback or warm_start, got "
                              f"{start_powerSGD_iter} (DDP rebuilds its buckets after the first iteration; torch's "
                              "PowerSGDState requires it)")
-        self.torch_state = torch_powersgd.PowerSGDState(
+        self.torch_state = _torch_hook_modules()[0].PowerSGDState(
             process_group=group, matrix_approximation_rank=int(matrix_approximation_rank),
             start_powerSGD_iter=int(start_powerSGD_iter), min_compression_rate=float(min_compression_rate),
             use_error_feedback=use_error_feedback, warm_start=warm_start,
@@ -187,7 +205,7 @@ class PowerSGDHookState(HookState):
             n = shape[0] if shape else 1
             m = int(torch.Size(shape).numel()) // max(n, 1)
             r = min(n, m, ts.matrix_approximation_rank)
-            if torch_powersgd._should_compress(n, m, r, ts.min_compression_rate)[0]:
+            if _torch_hook_modules()[0]._should_compress(n, m, r, ts.min_compression_rate)[0]:
                 groups.setdefault((n, m), []).append((name, n, m, r))  # torch batches by matrix shape
             else:
                 plain.append(name)
@@ -369,7 +387,7 @@ def powersgd_hook(state: PowerSGDHookState, bucket) -> torch.futures.Future[torc
                 count()
 
     if compressing:
-        fut = state._after_previous(lambda: _hook_module.powerSGD_hook(ts, bucket))
+        fut = state._after_previous(lambda: _torch_hook_modules()[1].powerSGD_hook(ts, bucket))
     else:  # one all-reduce, issued here on the autograd thread: the same order on every rank
-        fut = _hook_module.powerSGD_hook(ts, bucket)
+        fut = _torch_hook_modules()[1].powerSGD_hook(ts, bucket)
     return bounded(fut, collective_timeout(), f"PowerSGD bucket {bucket.index()}", on_success=counted)
