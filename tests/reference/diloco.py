@@ -122,21 +122,12 @@ class RefDiLoCo:
             inner.step()
         with torch.no_grad():
             if self.kept is not None:
-                f, avg = self.kept
-                self.kept = None
-                self._outer(f, avg)
-                for params in self.workers:
-                    for i in self.fragments[f]:
-                        params[i].copy_(self.alpha * params[i] + (1 - self.alpha) * self.global_params[i])
+                self._merge_kept()
             f = self._syncing(t)
             if f is None:
                 return
-            deltas = [[self.global_params[i] - params[i] for i in self.fragments[f]] for params in self.workers]
-            avg = self.reducers[f](deltas)
-            if self.overlap:
-                self.kept = (f, avg)
+            if not self.overlap:
+                self._sync(f)
                 return
-            self._outer(f, avg)
-            for params in self.workers:
-                for i in self.fragments[f]:
-                    params[i].copy_(self.global_params[i])
+            deltas = [[self.global_params[i] - params[i] for i in self.fragments[f]] for params in self.workers]
+            self.kept = (f, self.reducers[f](deltas))
