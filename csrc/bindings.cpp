@@ -286,7 +286,7 @@ bool all_contiguous(const TensorList& a, const TensorList& b) {
   return true;
 }
 
-// p.grad of every param of a group in one pass (issue 13, item 1). Read from Python, each costs ~0.4 us
+// p.grad of every param of a group in one pass. Read from Python, each costs ~0.4 us
 // once the previous step's stream has evicted the caches (0.8 ms for 2000 params); here the loads of
 // consecutive params overlap. Returns (the params that have a grad, their grads, whether all of both are
 // dense and contiguous), or None when a param is not exactly a Tensor or Parameter (a subclass may

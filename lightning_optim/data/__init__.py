@@ -2,7 +2,7 @@
 
 ``corpus`` is framework-free (torch only): `load_corpus`, `RandomWindows`, `EpochSeededSampler`, for
 Accelerate and HF Trainer scripts too. `ByteDataModule` wraps them for Lightning; it is imported on first
-use of the name, so ``from lightning_optim.data import RandomWindows`` does not import Lightning.
+use of the name (it needs the ``[lightning]`` extra); the rest needs torch alone.
 """
 
 from __future__ import annotations

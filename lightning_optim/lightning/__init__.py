@@ -19,7 +19,7 @@
 * :class:`GradientRelease` (``release.py``): gradient release on one device and under DDP.
 
 Needs Lightning (``pip install 'lightning-optim[lightning]'``): importing this package without it raises an
-``ImportError`` naming the extra. Importing it does not import Lightning; the names above load it on first access.
+``ImportError`` naming the extra. The names above load their modules on first access.
 """
 
 from __future__ import annotations

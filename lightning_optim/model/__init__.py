@@ -1,8 +1,8 @@
 """A small decoder-only (GPT-style) byte language model for the demo job.
 
 ``gpt`` is torch only: `ByteGPT`, `param_groups`, `warmup_cosine`, usable from Accelerate and HF Trainer
-scripts. `LanguageModel`, the LightningModule that trains it, is imported on first use of the name, so
-``from lightning_optim.model import ByteGPT`` does not import Lightning.
+scripts. `LanguageModel`, the LightningModule that trains it, is imported on first use of the name (it needs
+the ``[lightning]`` extra); ``ByteGPT`` needs torch alone.
 """
 
 from __future__ import annotations
