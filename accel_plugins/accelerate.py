@@ -123,7 +123,7 @@ class OnebitHandle:
 
         Known torch issue: a process that exits with a DDP model still alive after
         ``accelerator.end_training()`` can abort at interpreter shutdown ("terminate called without an
-        active exception"); bare torch + gloo DDP does it too (docs/accelerate.md has the counts). Free
+        active exception"); bare torch + gloo DDP does it too (docs/guides/accelerate.md has the counts). Free
         them first: ``onebit.close(); accelerator.free_memory(); del model, optimizer, onebit;
         gc.collect(); accelerator.end_training()`` (examples/accelerate_onebit.py).
         """

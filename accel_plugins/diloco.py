@@ -6,7 +6,7 @@ r"""DiLoCo for Hugging Face Accelerate: one call after ``accelerator.prepare``.
     # scheduler.step(), accelerator.save_state / load_state
     diloco.finish()   # without max_steps: after the loop, on every rank (one model on every rank)
 
-What ``enable_diloco`` does (the algorithm: :class:`lightning_optim.DiLoCo`, docs/distributed.md):
+What ``enable_diloco`` does (the algorithm: :class:`lightning_optim.DiLoCo`, docs/guides/low_communication.md):
 
 * builds ``DiLoCo(inner, sync_every=..., ...)`` over the prepared optimizer's own optimizer and makes the
   prepared optimizer step through it: every inner step is a local step of your optimizer on this rank's own

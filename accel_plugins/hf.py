@@ -32,7 +32,7 @@ methods (``_hf_trainer.py``): DDP's allreduce off in the compression stage, per-
 
 DiLoCo: ``callbacks=[DiLoCoCallback(sync_every=50)]`` around whatever optimizer ``optim`` builds (a callback, not
 an ``optim`` name: DiLoCo wraps an optimizer rather than being one); ``DiLoCoArguments`` gives its
-``--diloco_*`` command-line options (``_hf_diloco.py``, docs/hf_trainer.md).
+``--diloco_*`` command-line options (``_hf_diloco.py``, docs/guides/hf_trainer.md).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The one catalogue of names (lightning_optim.catalogue) against everything that names optimizers and
 strategies: the top-level exports (plain imports, ``__all__``), the Lightning registries (old names too),
-the strategies' optimizer classes, the Accelerate helper and the HF names. The Hydra groups are
-checked against it in tests/test_configs.py."""
+the strategies' optimizer classes, the Accelerate helper, the HF names and the specs of the generic optimizer
+tests. The Hydra groups are checked against it in tests/test_configs.py."""
 
 from __future__ import annotations
 
@@ -136,3 +136,14 @@ def test_an_old_optimizer_name_resolves_with_one_warning():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert optimizer_class("sign_sgd") is lightning_optim.SignSGD
+
+
+def test_every_optimizer_has_a_spec_for_the_generic_tests():
+    """tests/optim/specs.py drives the tests every optimizer must pass (foreach, gradient release, reload, Kahan,
+    torch compatibility): each optimizer of the catalogue has its entry there, the 1-bit ones aside (they have
+    suites of their own in tests/onebit)."""
+    from tests.optim.specs import SPECS
+
+    names = [spec.name for spec in SPECS]
+    assert len(names) == len(set(names))
+    assert sorted(names) == sorted(e.export for e in OPTIMIZERS.values() if not e.onebit)

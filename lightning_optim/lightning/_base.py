@@ -228,7 +228,7 @@ class _OnebitAdamMixin(_OnebitStrategyMixin):
             the variance has settled (``lightning_optim.onebit.auto_freeze``; the chosen step is announced once).
         auto_freeze_window, auto_freeze_tolerance, auto_freeze_max: that rule's W, tau and cap (``OnebitAdam``'s;
             only with ``freeze_step="auto"``; without ``auto_freeze_max`` the cap is 15% of the fit's steps).
-        auto_mask: ``OnebitAdam``'s (True when None; False: off; or the ratio, see docs/onebit.md).
+        auto_mask: ``OnebitAdam``'s (True when None; False: off; or the ratio, see docs/guides/onebit.md).
         overlap: exchange the momenta of each unit of params while backward still runs (the comm hook of
             ``lightning_optim.onebit.overlap``) instead of in ``optimizer.step()``; not with
             ``gradient_clip_val`` (the momentum is updated before clipping could run) or master weights.

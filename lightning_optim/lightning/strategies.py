@@ -25,7 +25,7 @@ Other keyword arguments go to ``DDPStrategy`` (``find_unused_parameters``, ``sta
 Checkpoints: rank 0 writes the checkpoint; every other rank writes its own 1-bit state (error
 buffers; between ZeroOneAdam synchronisations also its optimizer state and params) to
 ``<checkpoint>.rank<r>.pt`` and reads it back on resume, so training continues bitwise. On
-another world size the error buffers restart at zero with one warning. See docs/lightning.md.
+another world size the error buffers restart at zero with one warning. See docs/guides/lightning.md.
 
 The comm-hook strategies take any (local) optimizer; each is ``DDPStrategy`` with one hook of
 :mod:`lightning_optim.comm.ddp_hooks` registered on every device (CPU too), its per-rank hook state
@@ -48,7 +48,7 @@ hook (no gradient all-reduce); each rank's params and optimizer state go into it
 ``streaming_diloco``  ``StreamingDiLoCoStrategy``   the same in fragments, overlapped (4, True)
 ====================  ============================  ===============================================
 
-See docs/distributed.md.
+See docs/guides/low_communication.md.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ SHORT = SYNC_EVERY + 2  # a run past a sync that ends between two
 COMMON = ["--diloco_sync_every", str(SYNC_EVERY), "--max_steps", str(STEPS), "--save_steps", str(SAVE_AT),
           "--logging_steps", "4", "--per_device_train_batch_size", "8", "--gradient_accumulation_steps", "2",
           "--learning_rate", "3e-3", "--use_cpu", "--report_to", "none", "--seed", "0",
-          # HF's own per-step collectives, not gradients (docs/hf_trainer.md): off, so nothing at all between syncs
+          # HF's per-step collectives, not gradients (docs/guides/hf_trainer.md): off, so nothing at all between syncs
           "--average_tokens_across_devices", "False", "--ddp_find_unused_parameters", "False"]
 
 

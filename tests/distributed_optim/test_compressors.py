@@ -84,7 +84,7 @@ def _ring(n: int, world: int, size: int) -> int:
 
 
 def _expected_bytes(name: str, world: int) -> int:
-    """Bytes per call from the wire formats in docs/distributed.md (float64 inputs)."""
+    """Bytes per call from the wire formats in docs/guides/low_communication.md (float64 inputs)."""
     cls, kwargs, _ = CONFIGS[name]
     numels = [math.prod(s) for s in SHAPES]
     if cls is PowerSGDCompressor:

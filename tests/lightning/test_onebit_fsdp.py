@@ -4,7 +4,7 @@ HSDP's all-reduce in warmup, the 1-bit exchange after ``freeze_step`` (telemetry
 all-reduce's), one model on every rank, one agreed clip norm, a resume from its own checkpoint bitwise, and
 a resume from plain HSDP's checkpoint (``ModelParallelStrategy`` + AdamW, sharded in configure_model) that
 takes torch's moments as they were saved and compresses at once (the stage from the step count); the
-checkpoint folder made into one file as docs/onebit.md says, loaded into a plain model."""
+checkpoint folder made into one file as docs/guides/sharded.md says, loaded into a plain model."""
 
 from __future__ import annotations
 
@@ -71,7 +71,7 @@ def test_resume_from_its_checkpoint_is_bitwise(ranks):
 
 
 def test_one_file_from_the_checkpoint_as_the_docs_say_loads_into_a_plain_model(ranks, fits, tmp_path):
-    """docs/onebit.md, "One file from a checkpoint", step by step on the fit's last checkpoint (after step 8)."""
+    """docs/guides/sharded.md, "One file from a checkpoint", step by step on the fit's last checkpoint (step 8)."""
     import io
 
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save

@@ -136,7 +136,7 @@ def test_checkpoint_resumes_mid_compression_bitwise(run):
 
 
 def test_one_file_from_the_checkpoint_as_the_docs_say_loads_into_a_plain_model(run, tmp_path):
-    """docs/onebit.md, "One file from a checkpoint", on the folder saved mid-compression by ``dcp.save``."""
+    """docs/guides/sharded.md, "One file from a checkpoint", on the folder saved mid-compression by ``dcp.save``."""
     import io
 
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save

@@ -1,7 +1,7 @@
 """The CUDA sources compile with nvcc alone (no GPU, no torch headers).
 
 Here only the fast file (onebit_cuda.cu, a few seconds); the full set (optim_cuda.cu takes ~40 s
-per architecture) is a separate CI step, see csrc/README.md. LIGHTNING_OPTIM_NVCC_ALL=1 checks
+per architecture) is a separate CI step, see docs/guides/kernels.md. LIGHTNING_OPTIM_NVCC_ALL=1 checks
 every .cu file here too.
 """
 

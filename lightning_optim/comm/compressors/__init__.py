@@ -20,7 +20,7 @@ comm hooks (one bucket tensor), on any torch.distributed backend.
   (every rank raises, or none does).
 
 Bytes: every collective adds what this rank sends to ``comm_stats()`` (rule in ``comm/stats.py``);
-equations, bytes per step and when to use which: docs/distributed.md.
+equations, bytes per step and when to use which: docs/guides/low_communication.md.
 """
 from ..agreement import agree, control_device, fingerprint
 from .base import Compressor, LocalCompressor

@@ -22,7 +22,7 @@ Every state keeps its per-rank state by param name (DDP rebuilds its buckets aft
 iteration), counts the bytes it sends in ``comm_stats()`` (or ``stats=``), bounds every collective
 by ``collective_timeout()`` and saves per rank with ``state_dict()`` / ``load_state_dict()``.
 ``"decentralized"`` needs ``state.after_step(ddp.module.parameters())`` after each optimizer step.
-Equations and bytes: each module's docstring; docs/distributed.md.
+Equations and bytes: each module's docstring; docs/guides/low_communication.md.
 """
 from __future__ import annotations
 
