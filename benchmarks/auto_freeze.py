@@ -1,4 +1,4 @@
-"""``freeze_step="auto"`` against fixed freeze steps of 5%, 10%, 20% and 40% of the run (issue 23 item 3).
+"""``freeze_step="auto"`` against fixed freeze steps of 5%, 10%, 20% and 40% of the run.
 
 Two workloads, each run once per setting with everything else equal (seed, data, schedule):
 

@@ -1,4 +1,4 @@
-"""torch.compile graph breaks of a training step with our optimizers (issue 13, item 4).
+"""torch.compile graph breaks of a training step with our optimizers.
 
     python benchmarks/compile_breaks.py                      # AdamW, SGD, Lion: graph breaks
     python benchmarks/compile_breaks.py --optimizers adamw

@@ -54,7 +54,7 @@ def configs(steps: int) -> dict[str, list[str]]:
         "1-bit Adam": ["strategy=onebit_adam", f"strategy.freeze_step={freeze}"],
         "0/1 Adam": ["strategy=zero_one_adam", f"strategy.var_freeze_step={freeze}"],
         "decentralized ring": ["strategy=decentralized", "strategy.neighbors=ring", "strategy.consensus_every=0"],
-        # DiLoCo (issue 23): the same AdamW as the inner optimizer, an outer Nesterov step every 50 steps
+        # DiLoCo: the same AdamW as the inner optimizer, an outer Nesterov step every 50 steps
         "DiLoCo H=50": ["strategy=diloco", "strategy.sync_every=50"],
         "DiLoCo H=100": ["strategy=diloco", "strategy.sync_every=100"],
         "DiLoCo H=50 int8": ["strategy=diloco", "strategy.sync_every=50", "strategy.compressor=int8"],

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One prepared GPU run (issue 24): build, the CUDA test suites, the kernel benchmarks, 2 ranks on one GPU
+# One prepared GPU run: build, the CUDA test suites, the kernel benchmarks, 2 ranks on one GPU
 # over gloo against the same run on CPU tensors; one JSON and one Markdown report in OUT.
 #
 #   bash benchmarks/gpu_check.sh "$OUT"             # on a CUDA machine: <= 8 minutes on one H100

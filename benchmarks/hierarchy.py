@@ -1,4 +1,4 @@
-"""Hierarchical 1-bit across nodes (issue 22 item 1/3): 4 gloo ranks as 2 nodes x 2, shaped inter-node link.
+"""Hierarchical 1-bit across nodes: 4 gloo ranks as 2 nodes x 2, shaped inter-node link.
 
 The ranks run in network namespaces (``netns_bridge.netns_nodes``): the two ranks of a node share an unshaped
 bridge, each node reaches the other over one uplink veth shaped with ``tc tbf`` to ``--rate`` (both ranks of

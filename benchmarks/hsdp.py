@@ -1,4 +1,4 @@
-"""HSDP + 1-bit Adam (issue 22, FSDP goals): 4 gloo ranks as 2 nodes x 2, HSDP mesh (replicate = node, shard = the
+"""HSDP + 1-bit Adam: 4 gloo ranks as 2 nodes x 2, HSDP mesh (replicate = node, shard = the
 ranks of a node), the main job's ``small`` ByteGPT sharded with ``fully_shard`` per block + root.
 
 The ranks run in network namespaces (``netns_bridge.netns_nodes``): the ranks of a node share an unshaped bridge,

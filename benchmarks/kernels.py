@@ -1,4 +1,4 @@
-"""Compiled kernels vs torch, side by side in one process (issue 5).
+"""Compiled kernels vs torch, side by side in one process.
 
     python benchmarks/kernels.py            # all cases
     python benchmarks/kernels.py --quick    # smaller sizes, fewer repeats

@@ -1,4 +1,4 @@
-"""CUDA kernels vs torch on one GPU, side by side in one process (issue 13, item 6).
+"""CUDA kernels vs torch on one GPU, side by side in one process.
 
     python benchmarks/kernels_cuda.py            # needs a CUDA GPU and the extension built with CUDA
     python benchmarks/kernels_cuda.py --json k.json   # also every row as JSON (gpu_check.sh's report reads it)
@@ -6,7 +6,7 @@
 Prints the GPU, its memory roof (torch's device-to-device copy of a 2 GB buffer: bytes read + written
 per second), then per case the median time of each contender over CUDA events (contenders timed
 round-robin, one call each per round), the ratio to the first contender and the effective bandwidth
-(bytes the operation must move / time) as a fraction of the roof. Goals (issue 13): our fused Adam at
+(bytes the operation must move / time) as a fraction of the roof. Goals: our fused Adam at
 >= 90% of the roof and <= 1.0x torch's fused AdamW; 1-bit compress and unpack at >= 80% of the roof.
 """
 

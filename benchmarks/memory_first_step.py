@@ -7,7 +7,7 @@ torch's AdamW by what each needs beyond its own states), in a fresh process, on 
 random byte ids, batch 2 x sequence 64) and ``tensors`` (50 plain Parameters of 1M elements, random
 grads). The rise = the peak during the first ``opt.step()`` (ru_maxrss reset right before it; a
 thread reading /proc/self/statm every ~1 ms as a cross-check; on CUDA max_memory_allocated) minus
-the memory held before the optimizer was built. Goal (issue 21, printed, never asserted): rise - own
+the memory held before the optimizer was built. Goal (printed, never asserted): rise - own
 states <= torch's rise - its states + 2% of our states. ``--code-root DIR`` imports the library from
 another checkout (e.g. a worktree of an older commit: the "before" figure); ``LIGHTNING_OPTIM_BACKEND=torch``
 in the environment runs our optimizers on the torch path.

@@ -1,4 +1,4 @@
-"""OnebitAdam's compression-stage step vs AdamW's step on the same params, compute only (issue 13, item 2).
+"""OnebitAdam's compression-stage step vs AdamW's step on the same params, compute only.
 
 Two gloo ranks on loopback, one torch thread each, the same params on both (a GPT-2-like layout of
 ``--layers`` blocks at width ``--width``: ~100 tensors). Per round each rank takes one

@@ -10,7 +10,7 @@ counts; medians are reported for
   allreduce, full-precision Adam);
 * ``OnebitAdam compression``: after ``freeze_step`` (DDP's allreduce off, 1-bit momentum
   allreduce): the goal is >= 3x faster than DDP + AdamW;
-* ``--overlap`` adds two more runs (issue 13, item 3): ``OnebitAdamStrategy(overlap=True)`` (each unit
+* ``--overlap`` adds two more runs: ``OnebitAdamStrategy(overlap=True)`` (each unit
   of momenta exchanged from DDP's comm hook while backward runs) and the same with the 1-bit
   collectives replaced by local copies (``no comm``: every pass computed, nothing on the wire); the
   goal is an overlapped compression step within 1.15x of the no-comm one.

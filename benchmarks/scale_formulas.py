@@ -80,10 +80,10 @@ class ComputeRates:
                             self.stream_bytes_per_s * speedup)
 
 
-# Measured on this 2-core EPYC VM. AdamW: docs/benchmarks.md, "Kernels (issue 5)", fp32 40M params
+# Measured on the 2-core EPYC VM. AdamW: benchmarks/kernels.py (docs/benchmarks.md), fp32 40M params
 # in 8 tensors 29.94 ms with 2 threads (28 B/param -> 37.4 GB/s, also the stream rate). 1-bit:
 # compressed_allreduce's whole compute, 8M fp32 in one segment, 1 thread, collectives skipped
-# (`scale_model.py --measure-compute`, 2026-11-24: 0.638 ns/element; replaced by a fresh measurement
+# (`scale_model.py --measure-compute`: 0.638 ns/element; replaced by a fresh measurement
 # when that flag or --validate is given).
 MEASURED_HERE = ComputeRates(adam_s_per_param=29.94e-3 / 40e6,
                              onebit_s_per_elem=0.638e-9,

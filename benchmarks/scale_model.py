@@ -1,4 +1,4 @@
-"""Scale model (issue 13, item 5): predicted step time of 1-bit Adam, 0/1 Adam and PowerSGD vs DDP, W = 2..1024.
+"""Scale model: predicted step time of 1-bit Adam, 0/1 Adam and PowerSGD vs DDP, W = 2..1024.
 
 The alpha-beta model is ``benchmarks/scale_formulas.py`` (its docstring lists the assumptions);
 this script prints the tables (markdown), draws the plot and, with ``--validate``, measures fp32

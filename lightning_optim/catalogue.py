@@ -75,7 +75,7 @@ OPTIMIZERS: dict[str, OptimizerEntry] = {e.name: e for e in (
 
 _DIST = "lightning_optim.distributed."
 
-# mlbench-core's distributed optimizers (seed 004) and DiLoCo (a wrapper over any local optimizer): built over a
+# mlbench-core's distributed optimizers and DiLoCo (a wrapper over any local optimizer): built over a
 # model, params or an inner optimizer and a process group, they communicate in step(); exported at the top level
 # (lazily), not HF/Hydra ``optimizer`` names.
 DISTRIBUTED: dict[str, OptimizerEntry] = {e.name: e for e in (

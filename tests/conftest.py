@@ -66,6 +66,7 @@ LONG_FILES_FIRST = (
     "tests/test_config_schema.py",
     "tests/comm/test_bounded.py",
     "tests/lightning/test_comm_hook_strategies.py",
+    "tests/test_docs_code.py",  # ~20 s: the docs' blocks, forked from the zygote
 )
 
 

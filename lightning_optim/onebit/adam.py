@@ -50,8 +50,8 @@ class OnebitAdam(CompressionUnitsMixin, AutoFreezeMixin, OnebitOptimizer):
     and may skip DDP's allreduce otherwise. In the compression stage the optimizer always reads
     ``p.grad`` as this rank's own gradient. Both stages therefore consume the same quantity,
     the mean over ranks of whatever the caller accumulated per rank (accumulate the MEAN of
-    micro-batch gradients, e.g. ``loss / k``, and both stages see the mean gradient; the issue
-    this was written for reports that DeepSpeed's compression stage saw a sum).
+    micro-batch gradients, e.g. ``loss / k``, and both stages see the mean gradient, where
+    DeepSpeed's compression stage sees a sum).
 
     **Checkpoints.** :meth:`state_dict` is per rank (it holds this rank's error buffers);
     restoring each rank's own dict continues bitwise. See :class:`OnebitOptimizer`.

@@ -1,4 +1,4 @@
-"""1-bit Adam's exchange overlapped with backward: a DDP comm hook per bucket (issue 13, item 3).
+"""1-bit Adam's exchange overlapped with backward: a DDP comm hook per bucket.
 
     ddp_model = DistributedDataParallel(model)
     opt = lightning_optim.OnebitAdam(ddp_model.parameters(), freeze_step=100, average_grads=False)

@@ -131,7 +131,7 @@ def built_marker(build_dir: Path, name: str) -> Path:
     """Written once ``load()`` has built and imported the module in ``build_dir``. The directory is named by
     the hash of everything the module is built from, so a marked module is current however old it is:
     it is imported as it is, without asking ninja, whose timestamp and path checks would rebuild it for
-    every checkout of the same sources (two checkouts used to rebuild each other back and forth)."""
+    every checkout of the same sources (two checkouts would rebuild each other back and forth)."""
     return build_dir / f"{name}.built"
 
 

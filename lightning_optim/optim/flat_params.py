@@ -1,4 +1,4 @@
-"""Contiguous storage for a model's parameters and gradients (issue 13, item 1).
+"""Contiguous storage for a model's parameters and gradients.
 
 A model's parameters are hundreds to thousands of separate allocations. The fused kernels stream
 them one tensor after another: on 2000 tensors of 20 KB the CPU kernel runs at about 60% of the
