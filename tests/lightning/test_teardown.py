@@ -1,5 +1,5 @@
 """Every Lightning plugin, callback and strategy of ours leaves the user's module a plain torch module
-after ``fit`` (issue 21, item 6): no hook and no attribute of ours on any submodule or parameter,
+after ``fit``: no hook and no attribute of ours on any submodule or parameter,
 ``model.float()`` then an fp32 forward equal to a fresh fp32 module with the same weights,
 ``model.to(torch.bfloat16)`` then a bf16 forward, pickling, and a second ``fit`` with the same plugin
 and callback objects that trains (and puts the same machinery back for its run, no more).

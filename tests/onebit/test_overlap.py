@@ -1,4 +1,4 @@
-"""1-bit Adam's exchange overlapped with backward (issue 13, item 3): the DDP comm hook that compresses
+"""1-bit Adam's exchange overlapped with backward: the DDP comm hook that compresses
 each unit of momenta on a communication thread as soon as DDP has its gradients gives the same params,
 bit for bit, as the same units compressed at step() time, through the warmup -> compression switch and
 after a resume from a compression-stage checkpoint (under a fresh DDP, whose buckets differ until it

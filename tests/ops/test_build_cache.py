@@ -1,5 +1,5 @@
-"""The kernel build (issue 20): a killed build never makes a later one hang (item 1), and the cache
-directory is keyed by the kernel sources and the build configuration (item 4).
+"""The kernel build: a killed build never makes a later one hang, and the cache
+directory is keyed by the kernel sources and the build configuration.
 
 The kill tests kill a real ``torch.utils.cpp_extension.load`` of a tiny C++ module run inside
 ``build_lock``, the function ``_build`` runs ours in (checked below). A compiler wrapper holds each
@@ -167,7 +167,7 @@ def held_elsewhere(lock_file: Path) -> bool:
         os.close(fd)
 
 
-# --- item 1: a killed build ----------------------------------------------------------------------
+# --- a killed build -----------------------------------------------------------------------------
 
 @POSIX
 @pytest.mark.slow
@@ -321,7 +321,7 @@ def test_bad_wait_setting_is_named(monkeypatch, raw: str):
         _build_lock.build_wait_s()
 
 
-# --- item 4: the cache directory's key -----------------------------------------------------------
+# --- the cache directory's key ------------------------------------------------------------------
 
 def key_of(root: Path, cuda: bool = False) -> str:
     _loader._sources_digest.cache_clear()  # the digest is cached per process; these trees change

@@ -1,4 +1,4 @@
-"""The compiled kernels as torch custom ops (issue 13, item 4): every op passes torch.library.opcheck,
+"""The compiled kernels as torch custom ops: every op passes torch.library.opcheck,
 the op gives the binding's result bit for bit, a compiled training step equals the eager one, and
 torch.compile traces our optimizer step without a graph break in lightning_optim."""
 

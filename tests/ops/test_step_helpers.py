@@ -1,4 +1,4 @@
-"""The compiled step helpers (issue 13, item 1) answer exactly what the Python reads they replace answer:
+"""The compiled step helpers answer exactly what the Python reads they replace answer:
 ``grads_of`` (the params with a grad, their grads, all dense and contiguous), ``data_ptrs`` (where each
 tensor's data starts) and ``same_items`` (identity, item by item); and a step through them routes and
 updates every optimizer of the family bit for bit as the Python reads do, non-contiguous grads included."""

@@ -1,4 +1,4 @@
-"""``flatten_parameters`` (issue 13, item 1): params and grads rehomed into one buffer per (device, dtype)
+"""``flatten_parameters``: params and grads rehomed into one buffer per (device, dtype)
 keep training identical, bit for bit, for every optimizer of the family on both backends; the compiled
 kernels then get one span per list instead of one tensor per param, and the cached spans are dropped when
 a param moves, a state tensor is replaced or the grads are new tensors."""

@@ -1,4 +1,4 @@
-"""The LAMB trap (issue 21): apex's rule gives a trust ratio only to groups with weight decay, so with
+"""The LAMB trap: apex's rule gives a trust ratio only to groups with weight decay, so with
 weight_decay=0 everywhere (HF's Trainer default) and use_nvlamb=False, Lamb steps exactly like AdamW.
 That case warns once, naming weight_decay and use_nvlamb; the trust-scaled variants (FusedLamb, Lars,
 OnebitLamb) and a Lamb that scales something do not warn, and step unlike AdamW."""

@@ -1,5 +1,5 @@
 """Reference: mlbench-core's centralized (synchronous) optimizers, W workers simulated in one
-process. Written from mlbench's documented semantics (seed 004; mlbench_core/optim/pytorch/
+process. Written from mlbench's documented semantics (mlbench_core/optim/pytorch/
 centralized.py and aggregation/pytorch/centralized.py, read for the details), plain loops.
 
 Each worker w holds its own copy of the params and its own local optimizer (a reference with

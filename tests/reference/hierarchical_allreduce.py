@@ -1,6 +1,6 @@
 """Single-process simulation of the hierarchical 1-bit average: fp32 inside a node, 1-bit across nodes.
 
-Written from the algorithm (issue 22; the node/shard scheme of hierarchical allreduces), on top of the plain
+Written from the algorithm (the node/shard scheme of hierarchical allreduces), on top of the plain
 1-bit simulation in ``onebit_allreduce.py``; it never imports ``lightning_optim``.
 
 ``W = K * L`` workers, node ``k`` holding workers ``kL .. kL + L - 1``. For an ``n``-element input per
