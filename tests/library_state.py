@@ -10,9 +10,10 @@ import sys
 # lightning-optim modules whose globals are caches of the disk (the loaded extension): kept across runs
 KEPT_BY_DEFAULT = frozenset({"lightning_optim.ops._loader"})
 # process-wide objects lightning-optim mutates in place, emptied after every run (a fresh process starts with
-# them empty): the byte counter behind comm_stats(), the compressed allreduce's plan and scratch caches
-_EMPTIED = (("lightning_optim.comm.stats", "_DEFAULT", "reset"), ("lightning_optim.comm.compressed", "_CACHE", "clear"),
-            ("lightning_optim.comm.plan", "_PLANS", "clear"))
+# them empty): the byte counter behind comm_stats(), the compressed allreduce's plan cache and this thread's
+# scratch buffers
+_EMPTIED = (("lightning_optim.comm.stats", "_DEFAULT", "reset"), ("lightning_optim.comm.plan", "_PLANS", "clear"))
+_PER_THREAD = (("lightning_optim.comm.compressed", "_CACHE"),)
 
 
 def library_globals(kept: frozenset[str] = KEPT_BY_DEFAULT) -> dict[str, dict[str, object]]:
@@ -29,6 +30,10 @@ def restore_library_state(saved_globals: dict[str, dict[str, object]]) -> None:
         target = getattr(sys.modules.get(module_name), attribute, None)
         if target is not None:
             getattr(target, method)()
+    for module_name, attribute in _PER_THREAD:
+        target = getattr(sys.modules.get(module_name), attribute, None)
+        if target is not None:
+            vars(target).clear()
     for name, saved in saved_globals.items():
         module = sys.modules.get(name)
         if module is None:

@@ -30,6 +30,7 @@ buffers belong to the caller (``make_error_buffers``), one pair per tensor, per 
 """
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -96,18 +97,22 @@ class _Scratch:
         self.gathered = torch.empty(world, cb + 4 * slots, dtype=torch.uint8, device=device)
 
 
-_CACHE: OrderedDict[tuple, _Scratch] = OrderedDict()
+_CACHE = threading.local()  # per thread: two exchanges running at once (ranks or replicas on threads of one
+# process) must not write the same buffers
 
 
 def _scratch(plan: CompressionPlan, device: torch.device) -> _Scratch:
+    cache: OrderedDict[tuple, _Scratch] | None = getattr(_CACHE, "buffers", None)
+    if cache is None:
+        cache = _CACHE.buffers = OrderedDict()
     key = (plan.padded, plan.world, len(plan.lengths), plan.max_pieces, device)
-    found = _CACHE.get(key)
+    found = cache.get(key)
     if found is None:
-        found = _CACHE[key] = _Scratch(plan, device)
-        while len(_CACHE) > _MAX_CACHED:
-            _CACHE.popitem(last=False)
+        found = cache[key] = _Scratch(plan, device)
+        while len(cache) > _MAX_CACHED:
+            cache.popitem(last=False)
     else:
-        _CACHE.move_to_end(key)
+        cache.move_to_end(key)
     return found
 
 

@@ -26,9 +26,16 @@ rather than a saving the wire never saw.
 ``intra_node_bytes``: the part of ``bytes_sent`` that stayed inside a node (the hierarchical exchanges of
 ``hierarchy.py``: fp32 reduce-scatter and all-gather among a node's ranks, the reduce-scatter counted by the
 rule of the node group's backend); ``inter_node_bytes`` is the rest.
+
+The counter is the process's, shared by its threads. A thread that is a rank of its own (ranks run as threads
+of one process, or a replica's exchange on a thread of its own) counts into a counter of its own inside
+``counting_for_this_thread()``.
 """
 from __future__ import annotations
 
+import contextlib
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, fields
 
 __all__ = ["ALLREDUCE_REDUCE_SCATTER", "CommStats", "comm_stats", "reduce_scatter_bytes", "reset_comm_stats",
@@ -132,13 +139,28 @@ class CommStats:
 
 
 _DEFAULT = CommStats()
+_THIS_THREAD = threading.local()
 
 
 def comm_stats() -> CommStats:
-    """The process-wide counter that the collectives add to (a live object, not a copy)."""
-    return _DEFAULT
+    """The counter that the collectives add to (a live object, not a copy): the process's, or this thread's own
+    inside ``counting_for_this_thread()``."""
+    return getattr(_THIS_THREAD, "stats", None) or _DEFAULT
 
 
 def reset_comm_stats() -> None:
-    """Zero the process-wide counter."""
-    _DEFAULT.reset()
+    """Zero the counter ``comm_stats()`` returns."""
+    comm_stats().reset()
+
+
+@contextlib.contextmanager
+def counting_for_this_thread(stats: CommStats | None = None) -> Iterator[CommStats]:
+    """Count the collectives this thread runs into ``stats`` (a new counter by default, yielded) instead of the
+    process's, until the block ends."""
+    own = CommStats() if stats is None else stats
+    before = getattr(_THIS_THREAD, "stats", None)
+    _THIS_THREAD.stats = own
+    try:
+        yield own
+    finally:
+        _THIS_THREAD.stats = before

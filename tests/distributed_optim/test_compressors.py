@@ -28,7 +28,7 @@ from lightning_optim.comm.compressors import (
     orthogonalize_,
 )
 from lightning_optim.comm.compressors.sparse import SparsePayload
-from tests.distributed import run_workers
+from tests.ranks import run_ranks
 from tests.distributed_optim.compressor_workers import CONFIGS, DT, SHAPES, STEPS, rank_inputs, suite
 from tests.reference.compressors import RefCompressedWorkers
 from tests.reference.powersgd import RefPowerSGD, gram_schmidt
@@ -39,7 +39,7 @@ SUMMED_BY_GLOO = {"randomk_shared", "block_shared", "powersgd_r1", "powersgd_r4_
 
 @pytest.fixture(scope="module")
 def spawned():
-    return run_workers(3, suite, timeout=180)
+    return run_ranks(3, suite, timeout=180)
 
 
 def _reference(name: str, world: int):
