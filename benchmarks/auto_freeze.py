@@ -6,7 +6,7 @@ Two workloads, each run once per setting with everything else equal (seed, data,
 * ``examples/hf_trainer_onebit.py`` under ``torchrun --nproc_per_node 2`` (HF Trainer, 240 steps).
 
 Goal: auto's final validation loss within 1% of the best fixed setting's, at a switch step no later than
-2x that setting's. Prints one table per workload and a JSON line.
+2x that setting's. Prints one table per workload and saves the figures (``results.py``).
 
     python benchmarks/auto_freeze.py                    # both workloads (about 20 minutes on 2 idle cores)
     python benchmarks/auto_freeze.py --only main        # or --only hf
@@ -15,7 +15,6 @@ Goal: auto's final validation loss within 1% of the best fixed setting's, at a s
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import subprocess
@@ -25,6 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from comm import machine_facts  # noqa: E402
+from results import save  # noqa: E402
 from convergence import run as main_job_run  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.only in (None, "hf"):
         results["hf_example"] = sweep("examples/hf_trainer_onebit.py (2 ranks)", hf_example, args.hf_steps,
                                       out, args.reuse)
-    print("JSON " + json.dumps(results))
+    save("auto_freeze", results, keep=args.only is None)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ import argparse
 import contextlib
 import json
 import os
-import platform
 import shutil
 import signal
 import socket
@@ -36,6 +35,7 @@ import torch.distributed as dist
 import lightning_optim.comm.compressed as compressed_mod
 from lightning_optim.comm import allreduce_mean, comm_stats, compressed_allreduce, make_error_buffers
 from lightning_optim.comm.packing import pack_bits_, sign_table, unpack_into
+from results import machine_facts, save  # noqa: F401  (machine_facts: the other benchmarks import it from here)
 
 NETNS_ADDRS = ("10.123.0.1", "10.123.0.2")
 
@@ -133,25 +133,6 @@ def pack_unpack_throughput(numel: int, threads: int, repeats: int = 5) -> dict:
     return result
 
 
-def machine_facts() -> dict:
-    model = "unknown"
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    try:
-        with open("/proc/loadavg") as f:
-            load = " ".join(f.read().split()[:3])
-    except OSError:
-        load = "unknown"
-    return {"cpu": model, "cores": os.cpu_count(), "torch": torch.__version__,
-            "python": platform.python_version(), "loadavg_1_5_15min": load}
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -199,10 +180,11 @@ def report(args, res: dict, mode: str, pack: dict) -> None:
     print(f"pack   (x>=0 + 8 signs/byte): {pack['pack']['ms']:.1f} ms = {pack['pack']['GBps_fp32']:.2f} GB/s "
           f"of fp32 input; unpack (table): {pack['unpack']['ms']:.1f} ms = "
           f"{pack['unpack']['GBps_fp32']:.2f} GB/s of fp32 output (1 thread)")
-    print("JSON " + json.dumps({"mode": mode, "numel": args.numel, "fp32_ms": fp32 * 1e3,
-                                "onebit_ms": onebit * 1e3, "onebit_in_collectives_ms": in_coll * 1e3,
-                                "time_ratio": fp32 / onebit, "bytes_ratio": fp32_equiv / sent,
-                                "pack": pack, "machine": facts}))
+    save("comm_netns" if args.netns else "comm_loopback",
+         {"mode": mode, "numel": args.numel, "iters": args.iters, "warmup": args.warmup, "fp32_ms": fp32 * 1e3,
+          "onebit_ms": onebit * 1e3, "onebit_in_collectives_ms": in_coll * 1e3, "time_ratio": fp32 / onebit,
+          "fp32_bytes_per_rank": dense_sent, "onebit_bytes_per_rank": sent, "fp32_ring_equivalent": fp32_equiv,
+          "bytes_ratio": fp32_equiv / sent, "pack": pack, "machine": facts})
 
 
 def _run(cmd: list[str]) -> None:

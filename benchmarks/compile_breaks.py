@@ -21,6 +21,7 @@ import argparse
 import os
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -32,6 +33,9 @@ from torch import nn
 import lightning_optim
 from lightning_optim import ops
 from lightning_optim.ops.graph_breaks import PACKAGE_DIR, explain_breaks
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results import save  # noqa: E402
 
 OPTIMIZERS: dict[str, Callable[[list[nn.Parameter]], torch.optim.Optimizer]] = {
     "adamw": lambda params: lightning_optim.AdamW(params, lr=1e-3),
@@ -59,14 +63,16 @@ def make_step(name: str) -> tuple[Callable[[], None], torch.optim.Optimizer]:
     return step_fn, opt
 
 
-def report(name: str, phase: str, step_fn: Callable[[], None]) -> int:
+def report(name: str, phase: str, step_fn: Callable[[], None]) -> dict:
     out, breaks = explain_breaks(step_fn)
     ours = [b for b in breaks if b.in_lightning_optim]
     print(f"{name:6s} {phase:11s} explain: graphs {out.graph_count}, breaks {out.graph_break_count}; "
           f"dynamo's log: {len(breaks)} breaks, {len(ours)} in lightning_optim")
     for b in breaks:
         print(f"    [{'ours ' if b.in_lightning_optim else 'other'}] {shown(b.where)}: {b.reason[:120]}")
-    return len(ours)
+    return {"optimizer": name, "phase": phase, "graphs": out.graph_count, "breaks": len(breaks), "ours": len(ours),
+            "reasons": [f"{'ours' if b.in_lightning_optim else 'other'}: {shown(b.where)}: {b.reason[:120]}"
+                        for b in breaks]}
 
 
 def eager_step_time(repeat: int) -> float:
@@ -93,15 +99,19 @@ def main() -> None:
     args = parser.parse_args()
     print(f"{platform.processor() or platform.machine()}, {os.cpu_count()} logical CPUs, torch {torch.__version__}, "
           f"Python {platform.python_version()}, backend {ops.backend_for('cpu')}, load {os.getloadavg()[0]:.2f}")
+    rows = []
     for name in args.optimizers:
         step_fn, _ = make_step(name)
-        report(name, "first step", step_fn)
+        rows.append(report(name, "first step", step_fn))
         step_fn, _ = make_step(name)
         step_fn()  # eager: the states exist from here on
-        report(name, "later step", step_fn)
+        rows.append(report(name, "later step", step_fn))
+    found = {"backend": ops.backend_for("cpu"), "rows": rows}
     if args.eager_step:
         took = eager_step_time(args.repeat)
         print(f"AdamW eager step, 2000 x 5000 fp32: {took * 1e3:.2f} ms (median of {args.repeat})")
+        found["eager_adamw_ms"] = took * 1e3
+    save("compile_breaks", found)
 
 
 if __name__ == "__main__":

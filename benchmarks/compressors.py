@@ -37,6 +37,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
 from comm import NETNS_ADDRS, NetnsUnavailable, _free_port, machine_facts, netns_pair  # noqa: E402
+from results import save  # noqa: E402
 
 
 def configs(steps: int) -> dict[str, list[str]]:
@@ -178,32 +179,6 @@ def exchange_step_costs(rows: list[dict], results: list[dict]) -> None:
               f"| {max(send + after) / median:.2f}x |")
 
 
-def plot(rows: list[dict], results: list[dict], path: Path, per_step_fp32: float) -> None:
-    """Validation loss against bytes sent and against training time, one line per method."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax_bytes, ax_time) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for row, r in zip(rows, results):
-        curve = r["val_curve"]
-        mean_step = row["mean_step_ms"] / 1e3
-        sent = [(_cumulative(r, s, per_step_fp32) / 1e6, v) for s, v in curve[1:]]  # after the first step
-        sent = [(b, v) for b, v in sent if b > 0]  # (a log axis has no 0: nothing sent yet)
-        ax_bytes.plot([b for b, _ in sent], [v for _, v in sent], marker=".", label=row["label"])
-        ax_time.plot([(s + 1) * mean_step for s, _ in curve], [v for _, v in curve], marker=".", label=row["label"])
-    ax_bytes.set_xscale("log")
-    ax_bytes.set_xlabel("MB sent per rank so far (log; points once something was sent)")
-    ax_time.set_xlabel("training time, s (mean step x steps)")
-    for ax in (ax_bytes, ax_time):
-        ax.set_ylabel("validation loss")
-        ax.grid(alpha=0.3)
-    ax_time.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-
-
 def report(args, results: list[dict], where: str) -> dict:
     facts = machine_facts()
     base = next((r for r in results if r["label"] == "fp32 DDP"), None)
@@ -237,7 +212,8 @@ def report(args, results: list[dict], where: str) -> dict:
                      "wire_mb": wire, "peak_step_mb": peak, "median_step_ms": step_s * 1e3,
                      "mean_step_ms": mean_s * 1e3, "slowest_step_ms": slowest_s * 1e3, "final_val_loss": loss,
                      "vs_fp32_pct": rel, "time_to_loss_s": to_loss, "reached_step": reached,
-                     "overrides": r["overrides"]})
+                     "overrides": r["overrides"], "val_curve": r["val_curve"],
+                     "sent_mb_curve": [_cumulative(r, step, per_step_fp32) / 1e6 for step, _ in r["val_curve"]]})
         wire_text = "-" if wire is None else f"{wire:.1f}"
         fewer = "-" if not payload else f"{ddp_payload / payload:.0f}x"
         print(f"| {r['label']} | {'~' if nominal else ''}{payload:.2f} | {fewer} | {wire_text} | {peak:.2f} "
@@ -245,10 +221,9 @@ def report(args, results: list[dict], where: str) -> dict:
               f"| {loss:.4f} | {'-' if rel is None else f'{rel:+.2f}%'} | "
               f"{'-' if to_loss is None else f'{to_loss:.1f} s (step {reached + 1})'} |")
     exchange_step_costs(rows, results)
-    if args.out:
-        plot(rows, results, Path(args.out) / "loss_vs_bytes_and_time.png", per_step_fp32)
-    out = {"where": where, "steps": args.steps, "model": args.model, "machine": facts, "rows": rows}
-    print("JSON " + json.dumps(out))
+    out = {"where": where, "steps": args.steps, "model": args.model, "machine": facts, "rows": rows,
+           "num_params": results[0]["ranks"][0]["num_params"]}
+    save(f"compressors_{args.model}_{args.rate if args.netns else 'loopback'}", out)
     return out
 
 

@@ -14,8 +14,8 @@ OnebitLamb             FusedLamb + DDP                              within 2%
     python benchmarks/convergence.py                       # the main job's defaults (400 steps)
     python benchmarks/convergence.py trainer.max_steps=200 # extra overrides go to every run
 
-Prints a table (and a JSON line) and plots the validation curves to ``docs/convergence.png``
-(``--png``). Run directories go under ``--out`` (default: a temporary folder).
+Prints a table and saves the figures (``benchmarks/results.py``; ``results_page.py`` draws the curves).
+Run directories go under ``--out`` (default: a temporary folder).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from comm import machine_facts  # noqa: E402  (benchmarks/comm.py)
+from results import save  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 RUNS = {  # name -> overrides
@@ -67,50 +68,9 @@ def run(name: str, overrides: list[str], extra: list[str], out: Path, resume: bo
     return {"summary": summary, "val_curve": curve, "wall_s": summary.get("wall_time_s", time.perf_counter() - start)}
 
 
-def draw_curve(ax, name: str, curve: list[tuple[int, float]], style: str) -> None:
-    """One validation curve, labelled with its final loss."""
-    steps, losses = zip(*curve)
-    ax.plot(steps, losses, style, label=f"{name}: {losses[-1]:.3f}")
-
-
-def save_figure(fig, png: Path) -> None:
-    import matplotlib.pyplot as plt
-
-    fig.tight_layout()
-    png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png, dpi=110)
-    plt.close(fig)
-
-
-def pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def plot(results: dict, png: Path) -> None:
-    plt = pyplot()
-    fig, axes = plt.subplots(1, len(PAIRS), figsize=(5 * len(PAIRS), 4), sharey=True)
-    for ax, (onebit, base, goal) in zip(axes, PAIRS):
-        for name, style in ((base, "o-"), (onebit, "s--")):
-            draw_curve(ax, name, results[name]["val_curve"], style)
-        gap = results[onebit]["summary"]["final_val_loss"] / results[base]["summary"]["final_val_loss"] - 1
-        ax.set_title(f"{onebit} vs {base}\nfinal gap {gap:+.1%} (goal within {goal:.0%})", fontsize=10)
-        ax.set_xlabel("step")
-        ax.grid(alpha=0.3)
-        ax.legend()
-    axes[0].set_ylabel("validation loss (nats per byte)")
-    fig.suptitle("lightning-optim main job, 2 CPU processes: 1-bit optimizers vs full precision", fontsize=11)
-    save_figure(fig, png)
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=None, help="where the run directories go")
-    parser.add_argument("--png", type=Path, default=REPO / "docs" / "convergence.png")
     parser.add_argument("--only", nargs="*", default=None, help="run names to run (default: all)")
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for every run")
     args = parser.parse_args(argv)
@@ -138,12 +98,10 @@ def main(argv: list[str] | None = None) -> None:
                           "goal": goal, "met": abs(gap) <= goal or gap < 0})
             print(f"{onebit:12s} {a:.4f} vs {base:16s} {b:.4f}: {gap:+.2%} (goal within {goal:.0%}: "
                   f"{'met' if table[-1]['met'] else 'NOT met'})")
-    if len(table) == len(PAIRS):
-        plot(results, args.png)
-        print(f"plot: {args.png}")
-    print("JSON " + json.dumps({"table": table, "runs": {k: {"summary": v["summary"], "wall_s": v["wall_s"],
-                                                             "val_curve": v["val_curve"]} for k, v in results.items()},
-                                "machine": facts, "overrides": args.overrides}))
+    save("convergence", {"table": table, "overrides": args.overrides, "machine": facts,
+                         "runs": {k: {"overrides": RUNS[k], "summary": v["summary"], "wall_s": v["wall_s"],
+                                      "val_curve": v["val_curve"]} for k, v in results.items()}},
+         keep=not args.only)
 
 
 if __name__ == "__main__":

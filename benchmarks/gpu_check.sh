@@ -12,7 +12,8 @@
 #   python3 -m pip wheel --no-deps -w .whl antlr4-python3-runtime==4.9.3    # PyPI has no wheel of it
 # and name .whl in the call's carry; this script installs them into a private target.
 #
-# OUT receives gpu_check.json, gpu_check.md and gpu_check.log only (a device run brings back <= 8 files);
+# OUT receives gpu_check.json, gpu_check.md, gpu_check.log and kernels_cuda.json (copy it to benchmarks/results/
+# for the results page) only (a device run brings back <= 8 files);
 # the steps' own files stay in a temporary work folder. Every step runs under `timeout`; a failed step is
 # recorded and the script goes on, so one run reports everything it could. Exit status 0 iff all passed.
 set -uo pipefail
@@ -137,7 +138,8 @@ pids+=($!)
 for pid in "${pids[@]}"; do wait "$pid"; done
 
 # ---------------------------------------------------------------- 3. kernel benchmarks (alone on the GPU)
-gpu_or_dry kernels 240 "$PY" benchmarks/kernels_cuda.py --json "$WORK/kernels.json"
+# the kernels' figures also as benchmarks/results/kernels_cuda.json (machine facts included), brought back in OUT
+gpu_or_dry kernels 240 env LIGHTNING_OPTIM_RESULTS="$OUT" "$PY" benchmarks/kernels_cuda.py --json "$WORK/kernels.json"
 
 # ---------------------------------------------------------------- 4. the report
 step report 120 "$PY" benchmarks/gpu_check_report.py "$WORK" "$OUT"

@@ -312,7 +312,9 @@ def main(argv=None) -> None:
     except NetnsUnavailable as exc:
         print(f"NetnsUnavailable: {exc}; the benchmark needs network namespaces (root + iproute2): skipped")
         return
-    print("JSON " + json.dumps(out))
+    from results import save
+
+    save("hierarchy", out, keep=not args.quick)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
 

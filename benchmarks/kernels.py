@@ -26,8 +26,10 @@ from lightning_optim import ops
 from lightning_optim.comm import packing
 from lightning_optim.comm import pieces as passes
 from lightning_optim.comm.plan import plan_for
+from results import save
 
 GB = 1e9
+CASES: list[dict] = []  # every case measured, with its rows, for results.save
 
 
 def machine() -> str:
@@ -105,12 +107,21 @@ def row(name: str, t: float, base: float | None, nbytes: float | None, top: floa
     ratio = f"{t / base:6.2f}x" if base else "   ref "
     bw = f"{nbytes / t / GB:6.1f} GB/s ({100 * nbytes / t / GB / top:3.0f}% roof)" if nbytes else ""
     print(f"  {name:44s} {1e3 * t:9.2f} ms  {ratio}  {bw}")
+    CASES[-1]["rows"].append({"contender": name.strip(), "ms": 1e3 * t, "ratio": t / base if base else None,
+                              "GBps": nbytes / t / GB if nbytes else None,
+                              "roof_pct": 100 * nbytes / t / GB / top if nbytes else None})
+
+
+def case(title: str, **facts) -> None:
+    """Start a new case: ``row`` adds to the last one."""
+    CASES.append({"case": title, **facts, "rows": []})
 
 
 def adamw_case(title, sizes, repeat, ext, deepspeed):
     total = sum(torch.Size(s).numel() for s in sizes)
     top = roof(ext, 40_000_000 // (10 if total < 5_000_000 else 1), repeat)
     print(f"\n{title}: {total / 1e6:.0f}M params in {len(sizes)} tensors (28 B/param moved); roof now {top:.1f} GB/s")
+    case(title, params=total, tensors=len(sizes), bytes_per_param=28, roof_GBps=top)
     params = make(sizes)
     ms, vs, gs = [torch.zeros(s) for s in sizes], [torch.zeros(s) for s in sizes], [p.grad for p in params]
     ps = [p.detach() for p in params]
@@ -140,6 +151,8 @@ def bf16_case(ext, n_tensors, total, repeat):
     top = roof(ext, total, repeat)
     print(f"\nAdam, bf16 params + fp32 state + Kahan: {total / 1e6:.0f}M params in {n_tensors} tensors (26 B/param "
           f"with bf16 grads); roof now {top:.1f} GB/s")
+    case("Adam, bf16 params + fp32 state + Kahan, bf16 grads", params=total, tensors=n_tensors, bytes_per_param=26,
+         roof_GBps=top)
     # the kernel alone, bf16 grads read directly: p 2+2, g 2, m 4+4, v 4+4, comp 2+2 = 26 B/param
     params = make(sizes, torch.bfloat16)
     states = [[torch.zeros(s) for s in sizes] for _ in range(2)]
@@ -166,6 +179,7 @@ def bf16_case(ext, n_tensors, total, repeat):
 def onebit_case(ext, n, repeat):
     top = roof(ext, n, repeat)
     print(f"\n1-bit error feedback, {n / 1e6:.0f}M fp32 values; roof now {top:.1f} GB/s")
+    case("1-bit error feedback", values=n, roof_GBps=top)
     x, err = torch.randn(n), torch.randn(n) * 0.01
     packed = torch.empty((n + 7) // 8, dtype=torch.uint8)
     z, bits, index = torch.empty(n), torch.empty(n, dtype=torch.bool), torch.empty(n // 8, dtype=torch.int64)
@@ -226,6 +240,8 @@ def main() -> None:
     adamw_case("AdamW fp32, 8 big tensors", [(5_000_000 // scale,)] * 8, repeat, ext, deepspeed)
     bf16_case(ext, 8, 40_000_000 // scale, repeat)
     onebit_case(ext, 25_000_000 // scale, repeat)
+    save("kernels", {"machine": machine(), "deepspeed": bool(deepspeed), "rounds": repeat, "cases": CASES},
+         keep=not args.quick)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,8 @@ import argparse
 import json
 import os
 import statistics
+import sys
+from pathlib import Path
 
 import torch
 
@@ -23,6 +25,9 @@ import lightning_optim.optim as lo
 from lightning_optim import ops
 from lightning_optim.comm import pieces as passes
 from lightning_optim.comm.plan import plan_for
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results import save  # noqa: E402
 
 GB = 1e9
 ROWS: list[dict] = []  # every printed row, for --json
@@ -158,9 +163,12 @@ def main() -> None:
     adamw_case("AdamW, many small tensors", [(5_000,)] * 2000, args.repeat, ext, top)
     adamw_case("AdamW, GPT-2-small-like layout", gpt2_layout(), args.repeat, ext, top)
     onebit_case(200_000_000, args.repeat, ext, top)
+    found = dict(device=props.name, sms=props.multi_processor_count, cuda=torch.version.cuda, torch=torch.__version__,
+                 roof_gbps=top, rounds=args.repeat, rows=ROWS)
+    save("kernels_cuda", found)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(device=props.name, torch=torch.__version__, roof_gbps=top, rows=ROWS), f, indent=1)
+            json.dump(found, f, indent=1)
 
 
 def gpt2_layout():

@@ -55,6 +55,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from comm import _free_port, machine_facts  # noqa: E402  (benchmarks/comm.py)
+from results import save  # noqa: E402
 from memory_first_step import FIRST_STEP, first_step_child, report_first_step  # noqa: E402
 from memory_probe import (  # noqa: E402  (benchmarks/memory_probe.py)
     BATCH, MB, MET, SEQ, SIZES, _batch, _loss, _now, _peak, _reset_peak, _result, _tensor_bytes)
@@ -312,7 +313,8 @@ def main(argv=None) -> None:
     out["machine"] = facts = machine_facts()
     print(f"machine: {facts['cpu']}, {facts['cores']} cores, torch {facts['torch']}, python {facts['python']}; "
           f"load average at the end: {facts['loadavg_1_5_15min']}; wall {time.perf_counter() - wall:.0f} s")
-    print("JSON " + json.dumps(out))
+    mode = {None: "", True: "_first_step", False: "_training"}[args.first_step]
+    save(f"memory{mode}", out, keep=not args.quick and not args.code_root)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from comm import _free_port, machine_facts  # noqa: E402
+from results import save  # noqa: E402
 
 
 def shapes(width: int, layers: int) -> list[tuple[int, ...]]:
@@ -132,6 +133,9 @@ def main() -> None:
     print(f"    of which inside collectives            {1e3 * comm:8.2f} ms")
     print(f"    compute (step - collectives)            {1e3 * compute:8.2f} ms   {compute / adamw:5.2f}x"
           "   (goal <= 1.2x)")
+    save("onebit_compute", {"numel": result["numel"], "tensors": result["tensors"], "backend": result["backend"],
+                            "steps": args.steps, "skip": args.skip, "threads": args.threads, "adamw_ms": 1e3 * adamw,
+                            "onebit_ms": 1e3 * onebit, "in_collectives_ms": 1e3 * comm, "compute_ms": 1e3 * compute})
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
 from comm import NETNS_ADDRS, NetnsUnavailable, _free_port, machine_facts, netns_pair  # noqa: E402
+from results import save  # noqa: E402
 
 MODELS = {
     "tiny": dict(n_layer=4, n_head=4, d_model=128, mlp_ratio=4),
@@ -187,10 +188,12 @@ def report(args, ranks: list, mode: str) -> None:
               "   (the 1-bit collectives replaced by local copies)")
         print(f"overlapped / no comm    : {med['overlap'] / med['nocomm']:6.2f}x   (goal <= 1.15x); "
               f"not overlapped / no comm: {med['compression'] / med['nocomm']:.2f}x")
-    print("JSON " + json.dumps({"mode": mode, "model": args.model, "params": params, "batch": args.batch,
-                                "seq_len": args.seq_len, "ms": {k: v * 1e3 for k, v in med.items()},
-                                "optimizer_ms": {k: v * 1e3 for k, v in opt.items()},
-                                "ratio": med["ddp"] / med["compression"], "machine": facts}))
+    name = f"onebit_step_{'netns' if args.netns else 'loopback'}_{args.batch}x{args.seq_len}"
+    save(name + ("_overlap" if args.overlap else ""),
+         {"mode": mode, "model": args.model, "params": params, "batch": args.batch, "seq_len": args.seq_len,
+          "rate": args.rate if args.netns else None, "steps_per_stage": len(ddp), "repeats": args.repeats,
+          "ms": {k: v * 1e3 for k, v in med.items()}, "optimizer_ms": {k: v * 1e3 for k, v in opt.items()},
+          "ratio": med["ddp"] / med["compression"], "machine": facts})
 
 
 def _param_count(model: str, seq_len: int) -> int:

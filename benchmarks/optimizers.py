@@ -18,6 +18,7 @@ from collections.abc import Callable
 import torch
 
 import lightning_optim as lo
+from results import save
 
 # (ours, kwargs, torch equivalent or None); the same kwargs go to both.
 CASES: list[tuple[str, dict, Callable | None]] = [
@@ -70,6 +71,7 @@ def main() -> None:
     print(f"# {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}")
     print(f"# {sum(b.numel() for b in base):,} {args.dtype} params in {len(base)} tensors, median of {args.steps} steps")
     print(f"{'optimizer':<12} {'path':<9} {'ms/step':>9} {'torch ms':>9} {'ours/torch':>10}")
+    rows = []
     for name, kwargs, torch_cls in CASES:
         if not hasattr(lo, name):
             continue
@@ -92,9 +94,14 @@ def main() -> None:
             ref = median.get(f"torch/{path}")
             ref_text = f"{ref:9.2f} {ours / ref:10.2f}" if ref else f"{'-':>9} {'-':>10}"
             print(f"{name:<12} {path:<9} {ours:9.2f} {ref_text}")
+            rows.append({"optimizer": name, "path": path, "ours_ms": ours, "torch_ms": ref, "torch_path": path})
         if "torch/fused" in median:
             fused = median["torch/fused"]
             print(f"{name:<12} {'vs fused':<9} {median['ours/foreach']:9.2f} {fused:9.2f} {median['ours/foreach'] / fused:10.2f}")
+            rows.append({"optimizer": name, "path": "foreach", "ours_ms": median["ours/foreach"], "torch_ms": fused,
+                         "torch_path": "fused"})
+    save("optimizers", {"params": sum(b.numel() for b in base), "tensors": len(base), "dtype": args.dtype,
+                        "steps": args.steps, "kwargs": {name: kwargs for name, kwargs, _ in CASES}, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -12,22 +12,22 @@ run                    what                                          goal vs ``3
     python benchmarks/precision_convergence.py                        # 200 steps
     python benchmarks/precision_convergence.py trainer.max_steps=400  # extra overrides go to every run
 
-Same seed, data and schedule for every run (``strategy=auto trainer.devices=1``). Prints a table
-and a JSON line, plots the validation curves to ``docs/precision_convergence.png``. On CPU, fp16
+Same seed, data and schedule for every run (``strategy=auto trainer.devices=1``). Prints a table and
+saves the figures with the validation curves (``benchmarks/results.py``). On CPU, fp16
 matmuls are slow (no fp16 units): compare the losses here, not the times.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from comm import machine_facts  # noqa: E402  (benchmarks/comm.py)
-from convergence import draw_curve, pyplot, run, save_figure  # noqa: E402  (benchmarks/convergence.py)
+from convergence import run  # noqa: E402  (benchmarks/convergence.py)
+from results import save  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 ONE = ["strategy=auto", "trainer.devices=1", "optimizer=adamw"]
@@ -40,22 +40,9 @@ RUNS = {
 GOALS = {"fp16_master": 0.01, "bf16_kahan": 0.01}
 
 
-def plot(results: dict, png: Path) -> None:
-    fig, ax = pyplot().subplots(figsize=(7, 4.5))
-    for name, style in zip([n for n in RUNS if n in results], ("o-", "s--", "^--", "x:")):
-        draw_curve(ax, name, results[name]["val_curve"], style)
-    ax.set_xlabel("step")
-    ax.set_ylabel("validation loss (nats per byte)")
-    ax.set_title("lightning-optim main job, 1 CPU process: 16-bit precision options vs fp32", fontsize=10)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    save_figure(fig, png)
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=None, help="where the run directories go")
-    parser.add_argument("--png", type=Path, default=REPO / "docs" / "precision_convergence.png")
     parser.add_argument("--only", nargs="*", default=None, help="run names to run (default: all)")
     parser.add_argument("--resume", action="store_true", help="reuse runs already finished under --out")
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for every run")
@@ -86,10 +73,10 @@ def main(argv: list[str] | None = None) -> None:
               + ("" if goal is None else f" (goal within {goal:.0%}: {'met' if table[-1]['met'] else 'NOT met'})"))
     facts = machine_facts()
     print(f"machine: {facts['cpu']}, {facts['cores']} cores, torch {facts['torch']}; overrides: {overrides}")
-    plot(results, args.png)
-    print(f"plot: {args.png}")
-    print("JSON " + json.dumps({"table": table, "machine": facts, "overrides": overrides,
-                                "curves": {k: v["val_curve"] for k, v in results.items()}}))
+    save("precision_convergence", {"table": table, "machine": facts, "overrides": overrides,
+                                   "runs": {k: {"overrides": RUNS[k], "summary": v["summary"], "wall_s": v["wall_s"],
+                                                "val_curve": v["val_curve"]} for k, v in results.items()}},
+         keep=not args.only)
 
 
 if __name__ == "__main__":

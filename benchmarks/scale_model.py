@@ -5,7 +5,7 @@ this script prints the tables (markdown), draws the plot and, with ``--validate`
 and 1-bit allreduce on 2, 3 and 4 ranks in shaped network namespaces (``scale_validation.py``),
 fits alpha and beta on the 2-rank fp32 times and reports the model's error on the rest.
 
-    python benchmarks/scale_model.py                       # tables + docs/scale_model.png
+    python benchmarks/scale_model.py                       # tables + scale_model.png (--plot PATH)
     python benchmarks/scale_model.py --measure-compute     # + measure the 1-bit compute rate here
     python benchmarks/scale_model.py --validate            # + netns validation (root + iproute2)
     python benchmarks/scale_model.py --validate-latency --plot ""   # + the latency term: small messages
@@ -245,7 +245,7 @@ def main(argv=None) -> None:
     p.add_argument("--validate-latency", action="store_true", help="small messages on 2-4 shaped ranks: alpha")
     p.add_argument("--latency-sizes", default="256,1024,4096")
     p.add_argument("--latency-iters", type=int, default=30)
-    p.add_argument("--plot", default=str(Path(__file__).resolve().parents[1] / "docs" / "scale_model.png"))
+    p.add_argument("--plot", default="scale_model.png", help="where the plot goes (\"\": no plot)")
     p.add_argument("--json", default=None, help="write every predicted row (and the validation) here")
     args = p.parse_args(argv)
 
