@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
@@ -45,52 +46,26 @@ def _intra_op_threads():
             torch.set_num_threads(_THREADS)
 
 
-# The files whose time is mostly waiting on launched processes (torchrun, the main job's CLI, Lightning's own
-# launcher, timeouts by design), longest first, from --junitxml on the 2-core machine. The README's command
-# runs two pytest workers that take whole files in collection order (`--dist loadfile --no-loadscope-reorder`):
-# these go first, so the many short files fill the gaps beside them instead of one long file running alone at
-# the end. Only a schedule: a stale entry costs wall time, never a result.
-LONG_FILES_FIRST = (
-    "tests/test_cli_harness.py",
-    "tests/lightning/test_main_job.py",
-    "tests/accel/test_hf_ddp.py",
-    "tests/accel/test_accelerate.py",
-    "tests/ops/test_build_cache.py",
-    "tests/test_packaging.py",
-    "tests/lightning/test_failures.py",
-    "tests/comm/test_harness.py",
-    "tests/test_train.py",
-    "tests/lightning/test_registry.py",
-    "tests/distributed_optim/test_gossip.py",
-    "tests/test_config_errors.py",
-    "tests/test_config_schema.py",
-    "tests/comm/test_bounded.py",
-    "tests/lightning/test_comm_hook_strategies.py",
-    "tests/test_docs_code.py",  # ~20 s: the docs' blocks, forked from the zygote
-)
+# Measured seconds per test file (tests/durations.py refreshes it from a JUnit report): the README's command runs two
+# pytest workers that take whole files in collection order (`--dist loadfile --no-loadscope-reorder`), so the
+# longest files go first and the many short ones fill the gaps beside them, instead of one long file running alone
+# at the end. Only a schedule: a stale figure costs wall time, never a result.
+DURATIONS = Path(__file__).with_name("durations.json")
 
 
 def pytest_collection_modifyitems(session, config, items):
-    """Long files first (``LONG_FILES_FIRST``); every other file keeps its place, each file's tests their order."""
+    """Longest measured files first; an unmeasured file after them, in collection order; each file's tests in
+    their order."""
     root = Path(__file__).resolve().parent.parent
-    place = {name: i for i, name in enumerate(LONG_FILES_FIRST)}
+    seconds = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
 
-    def key(item) -> int:
+    def key(item) -> float:
         try:
-            return place.get(Path(item.path).resolve().relative_to(root).as_posix(), len(place))
+            return -seconds.get(Path(item.path).resolve().relative_to(root).as_posix(), 0.0)
         except ValueError:  # a test outside this checkout
-            return len(place)
+            return 0.0
 
     items.sort(key=key)  # stable
-
-
-def pytest_sessionfinish(session, exitstatus):
-    """Stop the persistent gloo ranks of ``tests.distributed.run_workers`` (if any were started)."""
-    import sys
-
-    pool = sys.modules.get("tests.worker_pool")
-    if pool is not None:
-        pool.shutdown()
 
 
 _COMPOSED: dict[tuple[str, ...], "DictConfig"] = {}  # overrides -> the composed config (never handed out itself)

@@ -1,6 +1,5 @@
-"""Process-wide state of lightning-optim (and Accelerate) that a long-lived test process puts back between
-runs, so each run starts as a freshly started process would: used by the persistent gloo ranks
-(``tests/worker_pool.py``) between calls and by the phased torchrun scripts (``tests/accel/phases.py``)
+"""Process-wide state of lightning-optim (and Accelerate) that a long-lived process puts back between runs, so
+each run starts as a freshly started process would: used by the phased torchrun scripts (``tests/accel/phases.py``)
 between phases."""
 
 from __future__ import annotations

@@ -6,8 +6,11 @@ results in rank order. torch's own multi-threaded tests work the same way: ``Thr
 its own default group (so ``dist.get_rank()``, ``new_group`` and a ``DeviceMesh`` are the thread's rank's), and
 thread isolation keeps the C++ registry of group names per thread.
 
-Per rank thread, the library's byte counter (``comm_stats()``) and the global RNG are the rank's own where a test
-asks: ``seeded(seed)`` builds a model from a seed without another rank's draws in between.
+Per rank thread, the library's byte counter (``comm_stats()``) is the rank's own; ``seeded(seed)`` builds a model
+from a seed without another rank's draws in between; ``record_warnings()`` and ``ignore_warnings()`` are
+``catch_warnings`` for one rank. What the ranks set process-wide in the library (a collective timeout, a
+warn-once flag) and in ``os.environ`` is put back when the run ends; a variable the ranks read is the test's to
+set (``monkeypatch.setenv``) before the run.
 
 What threads cannot be, stays in real processes (``tests/processes.py``): a rank that dies or hangs on purpose, a
 rank's own environment variables, bytes read off a process's sockets, Lightning's and Accelerate's process-wide
@@ -18,9 +21,12 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import os
 import sys
 import threading
+import time
 import traceback
+import warnings
 from datetime import timedelta
 
 import torch
@@ -28,9 +34,12 @@ import torch.distributed as dist
 from torch.testing._internal.distributed import multi_threaded_pg
 
 from lightning_optim.comm import stats as comm_stats_module
+from tests.library_state import library_globals, restore_library_state
 
 _CALLS = itertools.count()
 _RNG = threading.Lock()
+_THIS_RANK = threading.local()  # what a rank thread does with the warnings it issues: .found (a list) or .ignore
+_SHOW = warnings.showwarning
 
 
 class RankError(AssertionError):
@@ -39,10 +48,91 @@ class RankError(AssertionError):
 
 @contextlib.contextmanager
 def seeded(seed: int):
-    """The global RNG seeded with ``seed`` for this block, with no other rank thread drawing from it meanwhile."""
-    with _RNG, torch.random.fork_rng(devices=[]):
+    """``torch.manual_seed(seed)`` and the block, with no other rank thread drawing from the global RNG meanwhile
+    (in one process, as on one rank of several, the RNG goes on from where the block left it)."""
+    with _RNG:
         torch.manual_seed(seed)
         yield
+
+
+@contextlib.contextmanager
+def record_warnings():
+    """``warnings.catch_warnings(record=True)`` with the "always" filter, for this rank thread alone (``catch_warnings``
+    swaps process-wide state: two ranks would record each other's warnings, or lose them)."""
+    if warnings.showwarning is not _route:  # not a rank thread (a rank process, a test): the usual way
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            yield caught
+        return
+    found: list[warnings.WarningMessage] = []
+    _THIS_RANK.found = found
+    try:
+        yield found
+    finally:
+        _THIS_RANK.found = None
+
+
+@contextlib.contextmanager
+def ignore_warnings():
+    """The warnings of this rank thread's block are dropped (``simplefilter("ignore")`` for one thread)."""
+    if warnings.showwarning is not _route:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+        return
+    _THIS_RANK.ignore = True
+    try:
+        yield
+    finally:
+        _THIS_RANK.ignore = False
+
+
+_WRAPPED: dict[tuple[int, str], list] = {}  # (id(module), name) -> [threads counting, the real function]
+_WRAP_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def counting_calls(module, names, count):
+    """``count(name, args, kwargs)`` before each call of ``module.<name>`` this thread makes (for several rank
+    threads at once: the function is wrapped while any of them counts, and a thread sees only its own calls)."""
+    mine: dict = getattr(_THIS_RANK, "counting", None) or {}
+    _THIS_RANK.counting = mine
+    names = [name for name in names if hasattr(module, name)]
+    with _WRAP_LOCK:
+        for name in names:
+            entry = _WRAPPED.setdefault((id(module), name), [0, getattr(module, name)])
+            if entry[0] == 0:
+                setattr(module, name, _counted(module, name, entry[1]))
+            entry[0] += 1
+            mine[(id(module), name)] = count
+    try:
+        yield
+    finally:
+        with _WRAP_LOCK:
+            for name in names:
+                mine.pop((id(module), name), None)
+                entry = _WRAPPED[(id(module), name)]
+                entry[0] -= 1
+                if entry[0] == 0:
+                    setattr(module, name, entry[1])
+                    del _WRAPPED[(id(module), name)]
+
+
+def _counted(module, name, real):
+    def call(*args, **kwargs):
+        count = (getattr(_THIS_RANK, "counting", None) or {}).get((id(module), name))
+        if count is not None:
+            count(name, args, kwargs)
+        return real(*args, **kwargs)
+    return call
+
+
+def _route(message, category, filename, lineno, file=None, line=None) -> None:
+    found = getattr(_THIS_RANK, "found", None)
+    if found is not None:
+        found.append(warnings.WarningMessage(message, category, filename, lineno, file, line))
+    elif not getattr(_THIS_RANK, "ignore", False):
+        _SHOW(message, category, filename, lineno, file, line)
 
 
 def run_ranks(world: int, fn, *args, timeout: float = 120.0, pg_timeout: float | None = None) -> list:
@@ -71,18 +161,26 @@ def run_ranks(world: int, fn, *args, timeout: float = 120.0, pg_timeout: float |
             if dist.is_initialized():
                 dist.destroy_process_group()
 
+    saved, environ = library_globals(), dict(os.environ)  # what ranks set process-wide ends with the run
     multi_threaded_pg._install_threaded_pg()
     torch._C._distributed_c10d._set_thread_isolation_mode(True)
     threads = [threading.Thread(target=rank_main, args=(rank,), name=f"rank{rank}", daemon=True)
                for rank in range(world)]
     try:
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(timeout)
+        with warnings.catch_warnings():  # every warning reaches _route, which gives it to its rank's recorder
+            warnings.simplefilter("always")
+            warnings.showwarning = _route
+            for thread in threads:
+                thread.start()
+            deadline = time.monotonic() + timeout
+            for thread in threads:
+                thread.join(max(0.0, deadline - time.monotonic()))
     finally:
         torch._C._distributed_c10d._set_thread_isolation_mode(False)
         multi_threaded_pg._uninstall_threaded_pg()
+        restore_library_state(saved)
+        os.environ.clear()
+        os.environ.update(environ)
     hung = [t.name for t in threads if t.is_alive()]
     if hung:
         frames = sys._current_frames()

@@ -75,30 +75,34 @@ def _job(*overrides: str, cwd) -> subprocess.CompletedProcess:
     return run_cli(["trainer=smoke", *overrides], cwd=cwd, timeout=300)
 
 
-def test_the_job_exits_with_the_key_before_training(tmp_path):
-    for overrides, key in ((("optimizer.lr=-1",), "optimizer.lr"), (("strategy.freeze_step=0",), "strategy.freeze_step"),
-                           (("optimizer=torch_adamw", "optimizer.eps=-1"), "optimizer.eps"),
-                           # release drops only the default clip: an explicit one still conflicts
-                           (("gradient_release=true", "strategy=ddp", "trainer.gradient_clip_val=1.0"),
-                            "gradient_release")):
-        done = _job(*overrides, cwd=tmp_path)
-        assert done.returncode == 2, (overrides, done.stderr[-2000:])
-        lines = [line for line in done.stderr.splitlines() if line.strip()]
-        assert lines[-1].startswith(f"lightning-optim: bad config value: {key}: "), lines[-5:]
-        assert "Traceback" not in done.stderr and "val_loss" not in done.stdout  # nothing validated or trained
-
-
-@pytest.mark.parametrize("overrides,key", [
+REFUSED = [  # (overrides, the key the refusal names): each refused by the up-front check, before anything trains
+    (("optimizer.lr=-1",), "optimizer.lr"),
+    (("strategy.freeze_step=0",), "strategy.freeze_step"),
+    (("optimizer=torch_adamw", "optimizer.eps=-1"), "optimizer.eps"),
+    (("gradient_release=true", "strategy=ddp", "trainer.gradient_clip_val=1.0"), "gradient_release"),  # explicit clip
+    # a strategy that cannot run on the world (the Trainer would start every rank first, then refuse in setup)
     (("strategy=onebit_fsdp", "strategy.replicate_size=3"), "strategy.replicate_size"),
     (("strategy=onebit_fsdp", "trainer.devices=3"), "strategy.replicate_size"),
     (("strategy=onebit_adam", "strategy.hierarchical=3"), "strategy.hierarchical"),
-])
-def test_a_strategy_that_cannot_run_on_the_world_stops_the_job_in_one_line(tmp_path, overrides, key):
-    done = _job(*overrides, cwd=tmp_path)  # (the Trainer would start every rank first, then refuse in setup)
-    assert done.returncode == 2, (overrides, done.stderr[-2000:])
+]
+
+
+@pytest.mark.parametrize("overrides,key", REFUSED)
+def test_a_bad_job_is_refused_up_front_naming_its_key(compose_train, overrides, key):
+    cfg = OmegaConf.to_container(compose_train("trainer=smoke", *overrides), resolve=True)
+    with pytest.raises(ConfigError) as info:
+        check_config(cfg)
+    assert str(info.value).startswith(f"{key}: "), str(info.value)
+
+
+def test_the_job_exits_in_one_line_before_any_rank_starts(tmp_path):
+    """The command line, as users run it: exit status 2 and one line naming the key, no traceback, no rank."""
+    done = _job("strategy=onebit_fsdp", "strategy.replicate_size=3", cwd=tmp_path)
+    assert done.returncode == 2, done.stderr[-2000:]
     lines = [line for line in done.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith(f"lightning-optim: bad config value: {key}: "), lines[-5:]
-    assert "val_loss" not in done.stdout
+    assert len(lines) == 1 and lines[0].startswith("lightning-optim: bad config value: strategy.replicate_size: "), \
+        lines[-5:]
+    assert "val_loss" not in done.stdout  # nothing validated or trained
 
 
 def test_a_zero_step_run_reports(tmp_path):

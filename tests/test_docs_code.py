@@ -1,12 +1,11 @@
 """Every Python block of the user docs runs, and every main-job command line in them composes and checks.
 
-The pages: README.md, CONTRIBUTING.md and docs/**/*.md, less docs/benchmarks.md (a results journal whose
-rewrite into a generated results page is pending). Each ```python block is one test (its id: page and line),
-run as its own script, ``python -m`` of a file in a fresh temporary working directory (what it writes, say the
-HF Trainer's ``out/``, lands there), forked from the preloaded zygote of ``tests/cli.py`` (torch, Lightning,
-Accelerate and transformers already imported: a block costs its own work, not an interpreter's start-up), on
-the CPU alone (``CUDA_VISIBLE_DEVICES`` empty) with one intra-op thread. It must exit 0. The script has the
-block's lines at the page's line numbers, so a traceback's line is the page's.
+The pages: README.md, CONTRIBUTING.md and docs/**/*.md. Each ```python block is one test (its id: page and line),
+run as its own script, ``python docs_block.py`` in a fresh temporary working directory (what it writes, say the
+HF Trainer's ``out/``, lands there), in a process of multiprocessing's fork server (``tests.distributed.run_script``:
+torch, lightning-optim and Lightning imported once, so a block costs its own work, not an interpreter's
+start-up), on the CPU alone (``CUDA_VISIBLE_DEVICES`` empty) with one intra-op thread. It must exit 0. The
+script has the block's lines at the page's line numbers, so a traceback's line is the page's.
 
 A block that cannot run on one CPU in a few seconds (several processes, a GPU, a fragment of a larger script)
 is marked on the line directly before its fence::
@@ -15,7 +14,7 @@ is marked on the line directly before its fence::
 
 It is still collected: the reason must be non-empty, the page must say something before it (the comment is
 invisible in the rendered page: the sentence before the block says why it does not run alone), the block must
-compile, and every name it imports must exist (one forked run checks the imports of all marked blocks). A
+compile, and every name it imports must exist (one run checks the imports of all marked blocks). A
 marker that is not directly before a Python block fails the page.
 
 Bash blocks are not run; their ``python -m lightning_optim.train <overrides>`` lines are composed with Hydra
@@ -35,12 +34,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.cli import run_module
+from tests.distributed import run_script
 
 ROOT = Path(__file__).resolve().parent.parent
-EXCLUDED = {"docs/benchmarks.md"}  # the results journal: its rewrite is pending
 BLOCK_TIMEOUT_S = 120
-MODULE = "docs_block"  # the file each block is written to (run as ``python -m docs_block``)
+SCRIPT = "docs_block.py"  # the file each block is written to
 
 _FENCE = re.compile(r"^(?P<indent>[ ]*)(?P<fence>`{3,}|~{3,})[ \t]*(?P<info>[^`]*)$")
 _MARKER = re.compile(r"^[ ]*<!--[ \t]*docs-test:[ \t]*skip[ \t]*\((?P<reason>.*)\)[ \t]*-->[ \t]*$")
@@ -51,7 +49,7 @@ _SHELL = {"bash", "sh", "shell"}
 
 def pages() -> list[Path]:
     found = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").rglob("*.md"))]
-    return [page for page in found if page.is_file() and page.relative_to(ROOT).as_posix() not in EXCLUDED]
+    return [page for page in found if page.is_file()]
 
 
 @dataclass(frozen=True)
@@ -140,8 +138,8 @@ def test_python_block(block: Block, tmp_path: Path, marked_imports: dict[str, st
             f"there (the marker is invisible in the rendered page)")
         assert not marked_imports.get(block.id), f"{block.id}: its imports fail: {marked_imports[block.id]}"
         pytest.skip(f"not run: {block.skip}")
-    (tmp_path / f"{MODULE}.py").write_text("\n" * block.line + block.code)  # the page's line numbers
-    run = run_module(MODULE, [], cwd=tmp_path, env=_block_environment(), timeout=BLOCK_TIMEOUT_S)
+    (tmp_path / SCRIPT).write_text("\n" * block.line + block.code)  # the page's line numbers
+    run = run_script(tmp_path / SCRIPT, cwd=tmp_path, env=_block_environment(), timeout=BLOCK_TIMEOUT_S)
     assert run.returncode == 0, (
         f"{block.id} failed (exit {run.returncode}; the traceback's line numbers are the page's):\n"
         f"{run.stdout[-2000:]}\n{run.stderr[-6000:]}")
@@ -153,7 +151,7 @@ def _block_environment() -> dict[str, str]:
 
 _IMPORT_PROBE = '''
 import importlib, json, sys
-checks = json.loads(sys.argv[1])
+checks = json.load(open("checks.json"))
 failures = {}
 for block_id, imports in checks.items():
     for module, names in imports:
@@ -173,8 +171,8 @@ print(json.dumps(failures))
 
 @pytest.fixture(scope="module")
 def marked_imports(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    """``{block id: what failed}`` for the marked blocks whose imports fail, from one forked run that imports
-    every module (and looks up every name) the marked blocks import."""
+    """``{block id: what failed}`` for the marked blocks whose imports fail, from one run that imports every module
+    (and looks up every name) the marked blocks import."""
     checks: dict[str, list[tuple[str, list[str]]]] = {}
     for block in MARKED:
         imports = []
@@ -186,8 +184,8 @@ def marked_imports(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
         checks[block.id] = imports
     folder = tmp_path_factory.mktemp("docs_imports")
     (folder / "docs_imports.py").write_text(_IMPORT_PROBE)
-    run = run_module("docs_imports", [json.dumps(checks)], cwd=folder, env=_block_environment(),
-                     timeout=BLOCK_TIMEOUT_S)
+    (folder / "checks.json").write_text(json.dumps(checks))
+    run = run_script(folder / "docs_imports.py", cwd=folder, env=_block_environment(), timeout=BLOCK_TIMEOUT_S)
     assert run.returncode == 0, run.stderr[-4000:]
     return json.loads(run.stdout.splitlines()[-1])
 

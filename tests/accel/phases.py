@@ -1,8 +1,7 @@
 """Several runs ("phases") in one ``torchrun`` launch, for the scripts of tests/accel.
 
-Starting torchrun and two ranks costs ~5-7 s of CPU per rank before any work in fresh interpreters (importing
-torch, accelerate, transformers and lightning_optim) and still ~1 s per launch forked from the zygote (what
-``run_torchrun`` does), so a test file that needs several runs of one script (a full run, the run resumed from
+Starting torchrun and two ranks costs ~5-7 s of CPU per rank before any work (fresh interpreters importing
+torch, accelerate, transformers and lightning_optim), so a test file that needs several runs of one script (a full run, the run resumed from
 its checkpoint, another route) launches it once with a list of phases: each phase is the argument list one
 launch took before, and ``then`` separates them:
 

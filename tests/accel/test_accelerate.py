@@ -114,7 +114,7 @@ def test_grad_scaler_is_refused():
 
 
 def test_the_accelerate_example_runs_as_it_is():
-    done = run_torchrun(REPO / "examples" / "accelerate_onebit.py", cwd=REPO, fresh=True)  # as users run it
+    done = run_torchrun(REPO / "examples" / "accelerate_onebit.py", cwd=REPO)
     lines = [line for line in done.stdout.splitlines() if line.startswith("step")]
     assert "(DDP fp32 allreduce)" in lines[0] and "(1-bit)" in lines[-1]
     assert float(lines[-1].split("loss")[1].split()[0]) < float(lines[0].split("loss")[1].split()[0])

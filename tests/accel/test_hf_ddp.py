@@ -111,8 +111,7 @@ def test_resume_from_checkpoint_is_bitwise(runs):
 
 def test_the_hf_example_runs_as_it_is(tmp_path):
     done = run_torchrun(REPO / "examples" / "hf_trainer_onebit.py", "--optim", "onebit_adam", "--optim_args",
-                        "freeze_step=10", "--max_steps", "24", "--output_dir", tmp_path, cwd=tmp_path,
-                        fresh=True)  # new interpreters, as users run it
+                        "freeze_step=10", "--max_steps", "24", "--output_dir", tmp_path, cwd=tmp_path)
     line = next(line for line in done.stdout.splitlines() if line.startswith("optim onebit_adam"))
     eval_loss = float(line.split("eval loss ")[1].split()[0])
     assert eval_loss < 5.0  # ln 256 = 5.55 before training

@@ -2,16 +2,15 @@
 from __future__ import annotations
 
 import os
-import warnings
 
 import torch
-
 import torch.distributed as dist
 
 from lightning_optim.comm import CommStats, compressed_allreduce, make_error_buffers
 from lightning_optim.comm.compressors.hierarchical import HierarchicalOnebitCompressor
 from tests.comm.workers import make_inputs, segment_scales
 from tests.onebit.workers import CONFIGS, build, init_params, rank_grads
+from tests.ranks import ignore_warnings, record_warnings
 from tests.wire import wire_bytes_sent
 
 CALLS = 8
@@ -51,8 +50,7 @@ def compressor_suite(rank, world):
     inputs = make_inputs(world, 1001, torch.float32)[:3]
     one_node = HierarchicalOnebitCompressor(4)
     stats, outs = CommStats(), []
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with record_warnings() as caught:
         for call in range(3):
             t = inputs[call][rank].clone()
             one_node.reduce_flat_(t, stats=stats)
@@ -123,8 +121,7 @@ def wire_suite(rank, world):
     cases = {"hier_fp32": (HierarchicalOnebitCompressor(2), "average_flat_"),
              "hier_1bit": (HierarchicalOnebitCompressor(2), "reduce_flat_"),
              "one_node_fp32": (HierarchicalOnebitCompressor(4), "average_flat_")}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the one-node warning: test_hierarchy checks it elsewhere
+    with ignore_warnings():  # the one-node warning: test_hierarchy checks it elsewhere
         for name, (compressor, method) in cases.items():
             average = getattr(compressor, method)
             average(x.clone())  # groups, agreements, error buffers

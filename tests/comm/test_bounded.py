@@ -26,6 +26,7 @@ from lightning_optim.comm import (
 )
 from tests.comm.workers import timed_outcome
 from tests.distributed import run_workers
+from tests.ranks import run_ranks
 
 BOUND_S = 3.0
 SLOW = timedelta(minutes=30)  # torch's default: what a user who passes no timeout gets
@@ -89,7 +90,7 @@ def _timed_backward(backward) -> tuple[str, float]:
 
 def test_every_entry_point_is_bounded_without_a_group_timeout():
     # fresh ranks: rank 0's collectives time out on purpose, leaving gloo work behind no later call should meet
-    out = run_workers(2, _one_rank_never_calls, timeout=120, pg_timeout=SLOW.total_seconds(), fresh=True)
+    out = run_workers(2, _one_rank_never_calls, timeout=120, pg_timeout=SLOW.total_seconds())
     report = out[0]
     assert set(report) == {"all_gather(sizes)", "all_reduce", "all_gather(probe)", "DDP bucket all_reduce"}
     for name, (message, elapsed) in report.items():
@@ -124,7 +125,7 @@ def _mismatch(rank, world, field):
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("field", ["numel", "segment count", "segment lengths", "dtype"])
 def test_ranks_that_disagree_are_refused_identically(world, field):
-    out = run_workers(world, _mismatch, field, timeout=90)
+    out = run_ranks(world, _mismatch, field, timeout=90)
     assert all(o != "no error" for o in out), out
     messages = {o[0] for o in out}
     assert len(messages) == 1, messages  # the same words, with the same figures, on every rank

@@ -9,11 +9,19 @@ import torch
 
 from lightning_optim.comm import compressed_bytes
 from lightning_optim.comm.stats import reduce_scatter_bytes, ring_allreduce_bytes
-from tests.comm.hierarchy_workers import (CALLS, LENGTHS, SEGMENTS, WIRE_NUMEL, compressor_suite, optimizer_suite,
-                                          wire_suite)
+from tests.comm.hierarchy_workers import (
+    CALLS,
+    LENGTHS,
+    SEGMENTS,
+    WIRE_NUMEL,
+    compressor_suite,
+    optimizer_suite,
+    wire_suite,
+)
 from tests.comm.workers import make_inputs, segment_scales
 from tests.distributed import run_workers
 from tests.onebit.workers import COMMON, CONFIGS, LRS, MASKS, init_params, rank_grads
+from tests.ranks import run_ranks
 from tests.reference.hierarchical_allreduce import RefHierarchicalAllreduce, cut
 from tests.reference.onebit_adam import RefOnebitAdam
 from tests.reference.onebit_lamb import RefOnebitLamb
@@ -25,7 +33,7 @@ TOL = dict(rtol=1e-4, atol=5e-5)  # fp32 norms summed in another order, carried 
 
 @pytest.fixture(scope="module")
 def ranks():
-    return run_workers(WORLD, compressor_suite, timeout=240)
+    return run_workers(WORLD, compressor_suite, timeout=240)  # per-rank LOCAL_WORLD_SIZE: processes
 
 
 def _replay(ref, inputs, got_by_rank):
@@ -133,7 +141,7 @@ REFS = {"adam": RefOnebitAdam, "zoadam": RefZeroOneAdam, "lamb": RefOnebitLamb}
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_optimizers_match_the_reference_with_hierarchical_exchange(name):
-    got = run_workers(WORLD, optimizer_suite, name, timeout=240)
+    got = run_ranks(WORLD, optimizer_suite, name, timeout=240)
     _, kwargs, steps = CONFIGS[name]
     ref = REFS[name](init_params(), WORLD, **COMMON, **kwargs, lrs=LRS, masks=MASKS)
     ref.w.hierarchical(PER_NODE)

@@ -4,16 +4,14 @@ gets for ``lerp(m, g, w1)`` compressed on 2 real gloo ranks, on both backends, o
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 from lightning_optim import ops
 from lightning_optim.comm import compressed_allreduce, make_error_buffers
 from lightning_optim.comm import pieces as passes
-from tests.distributed import run_workers
 from tests.ops.conftest import ext  # noqa: F401  (fixture: the built extension)
+from tests.ranks import run_ranks
 from tests.reference.onebit_allreduce import RefOnebitAllreduce
 
 SEGMENTS = [5, 0, 13, 8, 31, 1000]
@@ -30,8 +28,7 @@ def start() -> torch.Tensor:
     return torch.randn(sum(SEGMENTS), generator=torch.Generator().manual_seed(7))
 
 
-def fused_vs_apart(rank: int, world: int, backend: str) -> dict:
-    os.environ[ops.ENV_VAR] = backend
+def fused_vs_apart(rank: int, world: int) -> dict:
     fused, apart = start(), start()
     buffers = [make_error_buffers(fused, None, SEGMENTS), make_error_buffers(apart, None, SEGMENTS)]
     outs = []
@@ -45,8 +42,9 @@ def fused_vs_apart(rank: int, world: int, backend: str) -> dict:
 
 
 @pytest.mark.parametrize("backend", ["cpu", "torch"])
-def test_fused_momentum_matches_the_reference_on_two_ranks(backend, ext):
-    results = run_workers(2, fused_vs_apart, backend, timeout=120)
+def test_fused_momentum_matches_the_reference_on_two_ranks(backend, ext, monkeypatch):
+    monkeypatch.setenv(ops.ENV_VAR, backend)  # the process's: both rank threads read it
+    results = run_ranks(2, fused_vs_apart, timeout=120)
     ref = RefOnebitAllreduce(sum(SEGMENTS), 2, segments=SEGMENTS)
     m = [start(), start()]
     for call in range(CALLS):

@@ -9,14 +9,15 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lightning_optim.comm import (
-    CommunicationError,
     CommStats,
+    CommunicationError,
     allreduce_mean,
     comm_stats,
     compressed_allreduce,
     make_error_buffers,
     register_switchable_allreduce,
 )
+from tests.ranks import seeded
 
 CALLS = 20
 # lengths: below 8W, multiples of 8W, and remainders that leave whole padded chunks
@@ -54,7 +55,6 @@ def make_inputs(world: int, numel: int, dtype: torch.dtype) -> list[list[torch.T
 
 
 def _run_world(rank, world, group):
-    torch.manual_seed(rank)  # nothing below may depend on it: every rank's result must agree
     results = {}
     for numel in LENGTHS[world]:
         for dtype in DTYPES:
@@ -125,8 +125,8 @@ def _batch(rank: int) -> torch.Tensor:
 
 
 def ddp_hook_checks(rank, group):
-    torch.manual_seed(0)  # same initial weights on every rank (DDP also broadcasts them)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2))
+    with seeded(0):  # same initial weights on every rank (DDP also broadcasts them)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2))
     local = copy.deepcopy(model)
     local(_batch(rank)).pow(2).sum().backward()
     local_grads = [p.grad.clone() for p in local.parameters()]

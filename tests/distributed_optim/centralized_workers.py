@@ -21,6 +21,7 @@ from lightning_optim.distributed.centralized import (
     CustomCentralizedOptimizer,
     GenericCentralizedOptimizer,
 )
+from tests.ranks import seeded
 
 SHAPES = [(4, 3), (3,), (2, 2, 2), (5,)]
 STEPS = 4
@@ -216,8 +217,8 @@ def train_tiny_all(rank: int, world: int) -> dict:
 def train_tiny(rank: int, world: int, kind: str, steps: int = 40) -> dict:
     """A small regression net, different data on every rank, real backward through a closure: the
     losses on this rank's data, the final params and the tracker's calls."""
-    torch.manual_seed(0)  # the same initial model everywhere
-    model = nn.Sequential(nn.Linear(6, 4), nn.Tanh(), nn.Linear(4, 1))
+    with seeded(0):  # the same initial model everywhere
+        model = nn.Sequential(nn.Linear(6, 4), nn.Tanh(), nn.Linear(4, 1))
     gen = torch.Generator().manual_seed(1 + rank)
     x = torch.randn(32, 6, generator=gen)
     y = x @ torch.linspace(-1, 1, 6).unsqueeze(1) + 0.1 * torch.randn(32, 1, generator=gen)

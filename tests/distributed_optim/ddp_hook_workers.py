@@ -15,6 +15,7 @@ from lightning_optim.comm import set_collective_timeout
 from lightning_optim.comm.ddp_hooks import PowerSGDHookState, make_state, register_comm_hook
 from lightning_optim.comm.gossip import TopologyError
 from lightning_optim.comm.stats import CommStats, ring_allreduce_bytes
+from tests.ranks import seeded
 
 DT = torch.float64
 STEPS = 4
@@ -40,8 +41,8 @@ BUCKET_STEPS = 8
 
 
 def make_model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).to(DT)
+    with seeded(0):
+        return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).to(DT)
 
 
 def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:

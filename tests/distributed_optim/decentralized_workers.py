@@ -12,12 +12,13 @@ from torch import nn
 from lightning_optim.comm import comm_stats, set_collective_timeout
 from lightning_optim.comm.gossip import Topology, consensus_distance
 from lightning_optim.distributed.decentralized import DecentralizedSGD
+from tests.ranks import seeded
 
 
 def model(rank: int, dtype: torch.dtype = torch.float64) -> nn.Module:
     """Rank ``rank``'s starting model: ranks start apart, so the gossip has something to do."""
-    torch.manual_seed(100 + rank)
-    return nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2)).to(dtype)
+    with seeded(100 + rank):
+        return nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2)).to(dtype)
 
 
 def grads(rank: int, step: int, params) -> list[torch.Tensor]:

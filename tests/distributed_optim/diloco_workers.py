@@ -16,6 +16,7 @@ from lightning_optim.comm.compressors import Int4Quantizer, Int8Quantizer, Power
 from lightning_optim.distributed import DiLoCo
 from lightning_optim.distributed.diloco_schedule import syncing_fragment
 from tests.distributed import error_text
+from tests.ranks import counting_calls, record_warnings
 
 SHAPES = [(6, 5), (6,), (3, 6), (3,)]
 DT = torch.float64
@@ -81,23 +82,10 @@ def build(name: str, params, group):
 
 @contextlib.contextmanager
 def counting_collectives():
-    """Every torch.distributed collective and point-to-point call counted (the functions patched meanwhile)."""
+    """Every torch.distributed collective and point-to-point call this rank makes, counted."""
     counter = {"calls": 0}
-    saved = {n: getattr(dist, n) for n in COLLECTIVES if hasattr(dist, n)}
-
-    def counted(fn):
-        def call(*args, **kwargs):
-            counter["calls"] += 1
-            return fn(*args, **kwargs)
-        return call
-
-    for n, fn in saved.items():
-        setattr(dist, n, counted(fn))
-    try:
+    with counting_calls(dist, COLLECTIVES, lambda *_: counter.__setitem__("calls", counter["calls"] + 1)):
         yield counter
-    finally:
-        for n, fn in saved.items():
-            setattr(dist, n, fn)
 
 
 def _steps(opt, params, rank, steps, per_step=None, counter=None):
@@ -230,13 +218,11 @@ def _finished(opt, params) -> dict:
 def finish_suite(rank: int, world: int) -> dict:
     """``finish()`` past a synchronisation on every rank: the final synchronisation, the end right after a
     synchronisation, ``final_sync=False``, the run-length warning, and a checkpoint before the end resumed."""
-    import warnings
 
     set_collective_timeout(30)
     out: dict = {name: _finished(*_stepped(name, rank, steps)) for name, steps in FINISH.items()}
     out["at_sync"] = _finished(*_stepped("plain", rank, 9))  # 9 = 3 x sync_every: nothing to do, nothing sent
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with record_warnings() as caught:
         opt, params = _stepped("plain", rank, 5, final_sync=False)
         before = comm_stats().copy()
         out["kept_apart"] = {"synced": opt.finish(), "bytes": (comm_stats() - before).bytes_sent,

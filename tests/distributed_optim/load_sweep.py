@@ -9,7 +9,6 @@ from __future__ import annotations
 import copy
 import io
 import math
-import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -29,6 +28,7 @@ from lightning_optim.distributed import (
     PowerSGD,
 )
 from tests.optim.specs import SPECS
+from tests.ranks import ignore_warnings
 
 Build = Callable[[nn.Module, int], torch.optim.Optimizer]
 
@@ -104,8 +104,7 @@ def steps(opt: torch.optim.Optimizer, m: nn.Module, n: int, rank: int = 0) -> No
 
 def trained(name: str, world: int = 1, rank: int = 0) -> tuple[torch.optim.Optimizer, nn.Module]:
     m = model()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the 1-bit optimizers' "nothing manages DDP" notice
+    with ignore_warnings():  # the 1-bit optimizers' "nothing manages DDP" notice
         opt = BUILDS[name](m, world)
         steps(opt, m, STEPS, rank)
     return opt, m

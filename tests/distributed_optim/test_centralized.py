@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from lightning_optim.comm.stats import ring_allreduce_bytes
-from tests.distributed import run_workers
+from tests.ranks import run_ranks
 from tests.distributed_optim import centralized_workers as cw
 from tests.reference import RefAdam
 from tests.reference.centralized import RefCentralized, RefSGD, TorchLocal
@@ -31,7 +31,7 @@ _RUNS: dict[int, list] = {}
 def _runs(world: int) -> list:
     """Every spec on ``world`` gloo ranks, run once per test session."""
     if world not in _RUNS:
-        _RUNS[world] = run_workers(world, cw.run_specs, list(cw.SPECS), timeout=180)
+        _RUNS[world] = run_ranks(world, cw.run_specs, list(cw.SPECS), timeout=180)
     return _RUNS[world]
 
 
@@ -195,7 +195,7 @@ def test_lr_scheduler_drives_the_local_lr(runs):
 
 # ------------------------------------------------------------------------------- resume
 def test_resume_equals_an_uninterrupted_run_bitwise():
-    results = run_workers(2, cw.run_resume, cw.RESUME, timeout=180)
+    results = run_ranks(2, cw.run_resume, cw.RESUME, timeout=180)
     for rank, out in enumerate(results):
         for (name, by_layer), got in out.items():
             s_model, s_opt, s_lr = got["straight"]
@@ -235,7 +235,7 @@ def _assert_same_tree(a, b, where):
 # ------------------------------------------------------------------------------- training
 @pytest.fixture(scope="module")
 def trained():
-    return run_workers(2, cw.train_tiny_all, timeout=120)
+    return run_ranks(2, cw.train_tiny_all, timeout=120)
 
 
 @pytest.mark.parametrize("kind", cw.TRAIN_KINDS)

@@ -14,7 +14,7 @@ from lightning_optim.distributed.centralized import (
     CustomCentralizedOptimizer,
     GenericCentralizedOptimizer,
 )
-from tests.distributed import run_workers
+from tests.ranks import run_ranks
 from tests.distributed_optim import centralized_bad_inputs as bad
 from tests.distributed_optim import centralized_workers as cw
 from tests.reference.centralized import RefCentralized, RefSGD, TorchLocal
@@ -39,7 +39,7 @@ def test_bad_inputs_one_process():
 def test_bad_inputs_on_every_rank_without_a_hang():
     """Every case on 2 ranks, including mistakes made on one rank only; a hang would hit the
     30 s collective bound (CommunicationError, a wrong type) long before the run's timeout."""
-    results = run_workers(2, bad.sweep, timeout=150)
+    results = run_ranks(2, bad.sweep, timeout=150)
     _check_sweep(results, 2)
     one_rank = {label for label, *_ in bad.one_rank_cases(2)}
     assert one_rank <= {row[0] for row in results[1]}

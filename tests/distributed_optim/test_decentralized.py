@@ -11,7 +11,7 @@ from torch import nn
 
 from lightning_optim.comm.stats import ring_allreduce_bytes
 from lightning_optim.distributed.decentralized import DecentralizedSGD
-from tests.distributed import run_workers
+from tests.ranks import run_ranks
 from tests.distributed_optim import decentralized_workers as dw
 from tests.reference import decentralized as ref
 
@@ -45,14 +45,14 @@ def four_ranks():
              ("quadratic", "quadratic", (0.3, 80)),
              ("bytes_flat", "bytes_per_step", (False,)),
              ("bytes_by_layer", "bytes_per_step", (True,))]
-    return run_workers(4, dw.several, calls, timeout=240)
+    return run_ranks(4, dw.several, calls, timeout=240)
 
 
 @pytest.fixture(scope="module")
 def three_ranks():
     calls = [("runs", "runs", (_worker_cases(CASES_3), STEPS)),
              ("resume", "resume", (dict(lr=0.1, momentum=0.9, nesterov=True, by_layer=True), 6, 3))]
-    return run_workers(3, dw.several, calls, timeout=180)
+    return run_ranks(3, dw.several, calls, timeout=180)
 
 
 def _reference(world, neighbors, weights, kwargs):
@@ -181,7 +181,7 @@ BAD = [  # (label, kwargs per rank, words in every rank's message, same message 
 
 def test_every_bad_argument_raises_on_every_rank_without_a_hang():
     cases = [(label, kwargs) for label, kwargs, _, _ in BAD]
-    results = run_workers(3, dw.bad_arguments, cases, timeout=120)  # each check is bounded by 10 s; none waits
+    results = run_ranks(3, dw.bad_arguments, cases, timeout=120)  # each check is bounded by 10 s; none waits
     for label, _, words, same in BAD:
         raised = [results[r][label] for r in range(3)]
         assert all(raised), (label, raised)

@@ -20,8 +20,9 @@ from lightning_optim.comm.stats import ring_allreduce_bytes
 from lightning_optim.distributed import DiLoCo
 from lightning_optim.distributed.diloco_schedule import fragment_bounds, syncing_fragment
 from tests.distributed import run_workers
-from tests.distributed_optim.diloco_workers import CONFIGS, DT, SHAPES, STEPS, fill_grads, init_params, make_inner
 from tests.distributed_optim import diloco_workers as dw
+from tests.distributed_optim.diloco_workers import CONFIGS, DT, SHAPES, STEPS, fill_grads, init_params, make_inner
+from tests.ranks import run_ranks
 from tests.reference.compressors import RefCompressedWorkers
 from tests.reference.diloco import RefDiLoCo, fragments_of
 from tests.reference.onebit_allreduce import RefOnebitAllreduce
@@ -35,7 +36,7 @@ QUANTIZER_ROW = 8  # int64s per rank in a quantizer's first-call agreement: an e
 
 @pytest.fixture(scope="module")
 def spawned():
-    return run_workers(3, dw.suite, timeout=150)
+    return run_ranks(3, dw.suite, timeout=150)
 
 
 def _world(name: str) -> int:
@@ -319,7 +320,7 @@ def test_bf16_params_keep_an_fp32_global_copy():
 
 def test_construction_broadcasts_only_when_the_ranks_params_differ():
     world = 3
-    out = run_workers(world, dw.construction_bytes)
+    out = run_ranks(world, dw.construction_bytes)
     reference = dw.init_params()
     for rank in range(world):
         equal, differ = out[rank]["equal"], out[rank]["differ"]
@@ -333,7 +334,7 @@ def test_construction_broadcasts_only_when_the_ranks_params_differ():
 # ---------------------------------------------------------------- the end of a run
 @pytest.fixture(scope="module")
 def finished():
-    return run_workers(3, dw.finish_suite, timeout=150)
+    return run_ranks(3, dw.finish_suite, timeout=150)
 
 
 def _reference_finish(name: str, steps: int) -> tuple[RefDiLoCo, list[int]]:

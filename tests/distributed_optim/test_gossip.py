@@ -10,6 +10,7 @@ from lightning_optim.comm.stats import ring_allreduce_bytes
 from lightning_optim.comm.topology import parse_name
 from tests.distributed import run_workers
 from tests.distributed_optim import gossip_workers as gw
+from tests.ranks import run_ranks
 from tests.reference import decentralized as ref
 
 ROUNDS = 10  # the path's distance ratio is within 1e-7 of lambda_2 by then (the check allows 1e-4)
@@ -41,12 +42,12 @@ EXPECTED_3 = {"ring": (ref.ring_neighbors(3), "uniform"), "exponential": (ref.ex
 
 @pytest.fixture(scope="module")
 def four_ranks():
-    return run_workers(4, gw.gossip_cases, CASES_4, ROUNDS, timeout=180)
+    return run_ranks(4, gw.gossip_cases, CASES_4, ROUNDS, timeout=180)
 
 
 @pytest.fixture(scope="module")
 def three_ranks():
-    return run_workers(3, gw.gossip_cases, CASES_3, ROUNDS, timeout=120)
+    return run_ranks(3, gw.gossip_cases, CASES_3, ROUNDS, timeout=120)
 
 
 def _simulate(neighbors, weights, world, rounds, dtype=torch.float64):
@@ -147,7 +148,7 @@ def test_weights_decide_what_the_ranks_agree_on(four_ranks):
 
 
 def test_a_subgroup_gossips_among_its_own_ranks():
-    results = run_workers(4, gw.subgroup_ring, 5, timeout=120)
+    results = run_ranks(4, gw.subgroup_ring, 5, timeout=120)
     assert results[0] is None
     _, xs, dists = _simulate(ref.ring_neighbors(3), "uniform", 3, 5)
     for rank in range(1, 4):
@@ -224,7 +225,7 @@ BAD = [  # (label, kwargs per rank of 3, words in the message every rank raises)
 
 
 def test_bad_topologies_raise_the_same_error_on_every_rank():
-    results = run_workers(3, gw.bad_topologies, [(label, kwargs) for label, kwargs, _ in BAD], timeout=90)
+    results = run_ranks(3, gw.bad_topologies, [(label, kwargs) for label, kwargs, _ in BAD], timeout=90)
     for label, _, words in BAD:
         raised = [results[r][label] for r in range(3)]
         assert all(raised), (label, raised)
@@ -234,7 +235,7 @@ def test_bad_topologies_raise_the_same_error_on_every_rank():
 
 def test_a_silent_neighbour_is_reported_within_the_bound():
     # fresh ranks: the neighbours' exchanges time out on purpose (no later call should meet what is left)
-    results = run_workers(3, gw.silent_neighbour, 2.0, timeout=60, fresh=True)
+    results = run_workers(3, gw.silent_neighbour, 2.0, timeout=60)
     assert results[2] == "silent"
     for rank in (0, 1):
         kind, elapsed, message = results[rank]

@@ -8,7 +8,7 @@ same sweep on 2 gloo ranks, in one spawned run. A step refused for a state set b
 from __future__ import annotations
 
 from lightning_optim.catalogue import DISTRIBUTED, OPTIMIZERS
-from tests.distributed import run_workers
+from tests.ranks import run_ranks
 from tests.distributed_optim.load_sweep import BUILDS, refused_steps, sweep_on_rank, two_rank_probe
 
 
@@ -28,7 +28,7 @@ def test_every_class_refuses_every_corrupted_key_in_one_process():
 
 
 def test_every_rank_state_is_checked_on_two_ranks():
-    per_rank = run_workers(2, two_rank_probe, timeout=150)
+    per_rank = run_ranks(2, two_rank_probe, timeout=150)
     failures = [f for rank, (results, _) in enumerate(per_rank) for f in _report(results, f"rank {rank}/2:")]
     failures += [f"rank {rank}/2: {f}" for rank, (_, refused) in enumerate(per_rank) for f in refused]
     assert not failures, "\n".join(failures)  # (including: the per-rank states existed to be corrupted)

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from lightning_optim.distributed.powersgd import PowerSGD
-from tests.distributed import run_workers
+from tests.ranks import run_ranks
 from tests.distributed_optim.powersgd_workers import CONFIGS, DT, SHAPES, SPLIT, STEPS, init_params, rank_grads, suite
 from tests.reference.powersgd import RefPowerSGD
 
@@ -30,7 +30,7 @@ RUNS = [(name, w) for name, (_, worlds) in CONFIGS.items() for w in worlds]
 
 @pytest.fixture(scope="module")
 def spawned():
-    return run_workers(3, suite, timeout=180)
+    return run_ranks(3, suite, timeout=180)
 
 
 def _reference(name: str, world: int):

@@ -13,7 +13,7 @@ from lightning_optim.comm.compressors.onebit import OnebitCompressor
 from lightning_optim.distributed import CentralizedSparsifiedSGD, PowerSGD
 from lightning_optim.distributed.communicating import CommunicatingOptimizer
 from lightning_optim.onebit import OnebitOptimizer
-from tests.distributed import run_workers
+from tests.ranks import run_ranks
 from tests.distributed_optim.base_workers import onebit_reduce
 
 
@@ -39,7 +39,7 @@ def test_every_communicating_optimizer_shares_the_base_and_the_contract(cls):
 
 
 def test_the_onebit_compressor_equals_compressed_allreduce_by_hand():
-    for run in run_workers(2, onebit_reduce, timeout=120):
+    for run in run_ranks(2, onebit_reduce, timeout=120):
         for ours, by_hand in zip(run["ours"], run["by_hand"]):
             assert torch.equal(ours, by_hand)
         assert run["errors_equal"] and run["bytes"] == run["predicted"] and run["bytes"][0] > 0

@@ -15,7 +15,7 @@ import torch
 
 from lightning_optim.distributed.sparsified import CentralizedSparsifiedSGD
 from lightning_optim.optim.sparsified_sgd import SparsifiedSGD
-from tests.distributed import run_workers
+from tests.ranks import run_ranks
 from tests.distributed_optim.sparsified_workers import (
     COMMON,
     CONFIGS,
@@ -35,7 +35,7 @@ AGREEMENT_ROW = 10  # int64s per rank and step: an error code + the 9 agreed fie
 
 @pytest.fixture(scope="module")
 def spawned():
-    return run_workers(3, suite, timeout=180)
+    return run_ranks(3, suite, timeout=180)
 
 
 def _reference(name: str, world: int):

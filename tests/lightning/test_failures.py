@@ -16,8 +16,7 @@ TIMEOUT = "10"
 
 
 def _run_job(cwd: Path, *args: str, step: int = 3) -> tuple[int, str, float]:
-    """``python -m tests.lightning.fail_script *args`` (rank 0 forked from the CLI tests' zygote; Lightning's
-    launcher starts rank 1 as a fresh interpreter): exit status, stderr, and the seconds from the moment
+    """``python -m tests.lightning.fail_script *args`` (Lightning's launcher starts rank 1): exit status, stderr, and the seconds from the moment
     rank 1 stopped answering to the job's end (start-up, which a loaded machine stretches, is not counted)."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore"}
     job = run_module("tests.lightning.fail_script", [*args, "--timeout", TIMEOUT], cwd=cwd, env=env, timeout=400)

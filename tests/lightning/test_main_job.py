@@ -48,10 +48,8 @@ def test_overrides_of_the_onebit_knobs(compose_train):
 
 
 def _run_job(tmp_path: Path, *overrides: str, world: int = 2) -> tuple[subprocess.CompletedProcess, dict, Path]:
-    """The main job on ``world`` processes for 8 small steps; checks it trained, returns (process, summary, run dir).
-
-    Forked from tests.cli's zygote, Lightning's other ranks too (tests/test_cli_harness.py compares such a run
-    with the real ``python -m`` start-up)."""
+    """The main job on ``world`` processes for 8 small steps (``python -m lightning_optim.train``, Lightning's
+    launcher starting the other ranks); checks it trained, returns (process, summary, run dir)."""
     run_dir = tmp_path / "run"
     args = ["trainer=smoke", "trainer.max_steps=8", "trainer.val_check_interval=8", *overrides,
             "data.max_bytes=100000", "model.n_layer=1", "model.d_model=64", f"hydra.run.dir={run_dir}"]

@@ -5,12 +5,12 @@ variance settles), OnebitAdam/OnebitLamb averaging the warmup itself; a checkpoi
 from __future__ import annotations
 
 import io
-import warnings
 
 import torch
 
 from lightning_optim import OnebitAdam, OnebitLamb
 from lightning_optim.onebit.auto_freeze import AutoFreezeDecision
+from tests.ranks import record_warnings, seeded
 
 SHAPES = [(40, 8), (8,), (16, 4)]
 STEPS = 40
@@ -26,16 +26,15 @@ def grads(step: int, rank: int) -> list[torch.Tensor]:
 
 
 def _build(cls, rank: int):
-    torch.manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(s)) for s in SHAPES]
+    with seeded(0):
+        params = [torch.nn.Parameter(torch.randn(s)) for s in SHAPES]
     extra = {"freeze_step": "auto"} if cls is OnebitLamb else {}
     return params, cls(params, lr=1e-2, **{**KW, **extra})
 
 
 def _run(params, opt, rank: int, steps, announced: list[str]) -> list[dict]:
     rows = []
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with record_warnings() as caught:
         for t in steps:
             for p, g in zip(params, grads(t, rank)):
                 p.grad = g

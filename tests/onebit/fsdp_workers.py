@@ -7,8 +7,6 @@ replicas of shard s. Every rank gets its own batch (seeded by step and rank).
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -21,6 +19,7 @@ from lightning_optim.comm import comm_stats, reset_comm_stats
 from lightning_optim.onebit import load_rank_state, onebit_fsdp, rank_state
 from lightning_optim.onebit.auto_freeze import AutoFreezeDecision
 from tests.distributed import error_text
+from tests.ranks import counting_calls, record_warnings, seeded
 
 REPLICAS, SHARDS = 2, 2
 COMMON = dict(lr=0.01, weight_decay=0.1)
@@ -68,8 +67,8 @@ def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def initial_params() -> dict[str, torch.Tensor]:
-    torch.manual_seed(0)
-    return {n: p.detach().clone() for n, p in Net().named_parameters()}
+    with seeded(0):
+        return {n: p.detach().clone() for n, p in Net().named_parameters()}
 
 
 def plain_grads(params: dict[str, torch.Tensor], step: int, rank: int) -> list[torch.Tensor]:
@@ -81,8 +80,8 @@ def plain_grads(params: dict[str, torch.Tensor], step: int, rank: int) -> list[t
 
 
 def sharded_model(mesh) -> Net:
-    torch.manual_seed(0)
-    model = Net()
+    with seeded(0):
+        model = Net()
     for layer in (model.a, model.b, model.c):
         fully_shard(layer, mesh=mesh)
     return fully_shard(model, mesh=mesh)
@@ -105,15 +104,13 @@ def _train(model, optimizer, steps, rank, replicate_ranks, record):
     hook_calls, reduced = [0], [0]
     for m in (model.a, model.b, model.c, model):
         m.set_all_reduce_hook(lambda out: hook_calls.__setitem__(0, hook_calls[0] + 1))
-    real_all_reduce = dist.all_reduce
 
-    def counting_all_reduce(tensor, *args, group=None, **kwargs):
+    def count(_name, args, kwargs) -> None:
+        group = kwargs.get("group", args[2] if len(args) > 2 else None)
         if group is not None and sorted(dist.get_process_group_ranks(group)) == replicate_ranks:
-            reduced[0] += tensor.numel()
-        return real_all_reduce(tensor, *args, group=group, **kwargs)
+            reduced[0] += args[0].numel()
 
-    dist.all_reduce = counting_all_reduce
-    try:
+    with counting_calls(dist, ["all_reduce"], count):
         for step in steps:
             if record is not None:
                 record["grads"].append(plain_grads(_full(model), step, rank))
@@ -132,8 +129,6 @@ def _train(model, optimizer, steps, rank, replicate_ranks, record):
                 record["hook_calls"].append(hook_calls[0])
                 record["replicate_all_reduced"].append(reduced[0])
                 record["stats"].append(tuple(a - b for a, b in zip(after, before)))
-    finally:
-        dist.all_reduce = real_all_reduce
 
 
 def _save(model, optimizer, path: str, rank: int) -> None:
@@ -156,8 +151,7 @@ def train_suite(rank: int, world: int, name: str, ckpt_dir: str) -> dict:
     _, _, steps, at = CONFIGS[name]
     model, optimizer, handle = _build(name, mesh)
     out = {k: [] for k in ("grads", "params", "needs", "hook_calls", "replicate_all_reduced", "stats")}
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")  # ours must stay silent (unmanaged allreduce, error buffers reset, ...)
+    with record_warnings() as caught:
         _train(model, optimizer, range(1, at + 1), rank, replicate_ranks, out)
         path = f"{ckpt_dir}/{name}"
         _save(model, optimizer, path, rank)

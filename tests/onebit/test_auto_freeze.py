@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.distributed import run_workers
 from tests.onebit.auto_freeze_workers import KW, SAVE_AT, STEPS, grads, suite
+from tests.ranks import run_ranks
 from tests.reference.auto_freeze import auto_freeze_step
 
 WORLD = 2
@@ -23,7 +23,7 @@ WORLD = 2
 
 @pytest.fixture(scope="module")
 def ranks():
-    return run_workers(WORLD, suite)
+    return run_ranks(WORLD, suite)
 
 
 def _expected() -> int:

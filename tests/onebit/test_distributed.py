@@ -13,7 +13,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.distributed import run_workers
 from tests.onebit.workers import (
     COMMON,
     CONFIGS,
@@ -26,6 +25,7 @@ from tests.onebit.workers import (
     rank_grads,
     suite,
 )
+from tests.ranks import run_ranks
 from tests.reference.onebit_adam import RefOnebitAdam
 from tests.reference.onebit_lamb import RefOnebitLamb
 from tests.reference.zero_one_adam import RefZeroOneAdam
@@ -36,7 +36,7 @@ TOL = 1e-5  # fp32 round-off of different but equivalent formulas; a flipped 1-b
 
 @pytest.fixture(scope="module")
 def spawned():
-    return run_workers(3, suite, timeout=240)
+    return run_ranks(3, suite, timeout=240)
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ import torch
 
 import lightning_optim as lo
 from lightning_optim import OnebitAdam, OnebitLamb, ZeroOneAdam
-from tests.distributed import run_workers
+from tests.ranks import run_ranks
 from tests.reference.onebit_adam import RefOnebitAdam
 from tests.reference.zero_one_adam import RefZeroOneAdam
 
@@ -253,7 +253,7 @@ def _resume_worker(rank, world):
 
 def test_resuming_full_precision_adam_follows_the_reference():
     world = 2
-    out = run_workers(world, _resume_worker, timeout=180)
+    out = run_ranks(world, _resume_worker, timeout=180)
     for (source, target), got in out[0].items():
         assert all(torch.equal(a, b) for a, b in zip(got, out[1][(source, target)])), (source, target)
         wd = 0.1 if "AdamW" in source else 0.0
@@ -299,8 +299,8 @@ def test_auto_mask_keeps_never_moving_elements_still(cls_name):
     auto = _reference_mask(ref_cls, kwargs, world, rho)
     assert auto[1].tolist() == [1, 1, 1, 0, 0, 0] and bool(auto[0].all())  # the rule picks the tiny ones
     user = torch.tensor([[1.0, 0.0, 1.0]] * 4)
-    masked = run_workers(world, _mask_worker, rho, cls_name, timeout=120)
-    unmasked = run_workers(world, _mask_worker, False, cls_name, timeout=120)
+    masked = run_ranks(world, _mask_worker, rho, cls_name, timeout=120)
+    unmasked = run_ranks(world, _mask_worker, False, cls_name, timeout=120)
     ref = ref_cls(_params(), world, masks=[user * auto[0], auto[1]], **kwargs)
     plain_ref = ref_cls(_params(), world, masks=[user, None], **kwargs)
     for t in range(1, 9):
@@ -320,13 +320,13 @@ def test_auto_mask_keeps_never_moving_elements_still(cls_name):
 
 
 def test_unmanaged_ddp_allreduce_warns_once():
-    from tests.distributed import run_workers
     from tests.onebit.unmanaged_workers import unmanaged
+    from tests.ranks import run_ranks
 
-    for messages, unmanaged_steps, ratio in run_workers(2, unmanaged, False, timeout=60):
+    for messages, unmanaged_steps, ratio in run_ranks(2, unmanaged, False, timeout=60):
         assert len(messages) == 1 and "DDP's fp32 allreduce still runs" in messages[0]
         assert unmanaged_steps == 3 and math.isnan(ratio)  # steps 3-5 compressed; DDP's bytes unseen
-    for messages, unmanaged_steps, ratio in run_workers(2, unmanaged, True, timeout=60):
+    for messages, unmanaged_steps, ratio in run_ranks(2, unmanaged, True, timeout=60):
         assert messages == [] and unmanaged_steps == 0 and not math.isnan(ratio)
 
 

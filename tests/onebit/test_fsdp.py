@@ -12,7 +12,7 @@ import torch
 
 from lightning_optim.comm import compressed_bytes
 from lightning_optim.comm.stats import ring_allreduce_bytes
-from tests.distributed import run_workers
+from lightning_optim.onebit.fsdp_grads import missing_fsdp2_api
 from tests.onebit.fsdp_workers import (
     COMMON,
     CONFIGS,
@@ -23,12 +23,11 @@ from tests.onebit.fsdp_workers import (
     refusal_suite,
     train_suite,
 )
+from tests.ranks import run_ranks
 from tests.reference.auto_freeze import auto_freeze_step
 from tests.reference.onebit_adam import RefOnebitAdam
 from tests.reference.sharded_onebit import ShardedReference, shard_rows
 from tests.reference.zero_one_adam import RefZeroOneAdam
-
-from lightning_optim.onebit.fsdp_grads import missing_fsdp2_api
 
 # torch 2.11 (the GPU image) lacks FSDP2 methods that onebit_fsdp needs, and onebit_fsdp refuses there by
 # name; these tests run where torch has them (CI's 2.13).
@@ -48,7 +47,7 @@ def _replica(rank: int) -> int:
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
 def run(request, tmp_path_factory):
     name = request.param
-    return name, run_workers(WORLD, train_suite, name, str(tmp_path_factory.mktemp("ckpt")), timeout=300)
+    return name, run_ranks(WORLD, train_suite, name, str(tmp_path_factory.mktemp("ckpt")), timeout=300)
 
 
 def _mean_grads(ranks, steps: int) -> list[list[torch.Tensor]]:
@@ -168,7 +167,7 @@ def test_remove_gives_hsdp_its_all_reduce_back(run):
 
 
 def test_refusals_name_the_argument():
-    ranks = run_workers(WORLD, refusal_suite, timeout=180)
+    ranks = run_ranks(WORLD, refusal_suite, timeout=180)
     for key in ranks[0]:
         if key != "wrong_group":  # that one names each rank's own groups
             assert len({r[key] for r in ranks}) == 1, key  # the same on every rank

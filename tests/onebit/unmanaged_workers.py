@@ -3,21 +3,19 @@ and comm_stats() stops claiming a compression ratio (DDP's own allreduce is invi
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 from torch import nn
 
 import lightning_optim as lo
 from lightning_optim.comm import comm_stats
+from tests.ranks import record_warnings
 
 
 def unmanaged(rank: int, world: int, managed: bool) -> tuple[list[str], int, float]:
     model = nn.parallel.DistributedDataParallel(nn.Linear(8, 2))
     opt = lo.OnebitAdam(model.parameters(), lr=1e-3, freeze_step=2, average_grads=False)
     opt.ddp_allreduce_managed = managed
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with record_warnings() as caught:
         for step in range(5):
             model(torch.randn(4, 8)).sum().backward()
             opt.step()

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import functools
 import io
-import warnings
 
 import torch
 import torch.distributed as dist
 
 from lightning_optim.onebit import OnebitAdam, OnebitLamb, ZeroOneAdam
+from tests.ranks import record_warnings, seeded
 
 SHAPES = [(5, 3), (4,), (2, 2, 2), (9,)]
 LRS = [0.01, 0.01, 0.02, 0.01]  # per param, as the groups below set them
@@ -171,8 +171,7 @@ def resume_other_world(rank, world, blobs, steps):
     """Load a checkpoint saved on another world size, continue ``steps`` steps."""
     blob = blobs[min(rank, len(blobs) - 1)]
     saved = torch.load(io.BytesIO(blob), weights_only=False)["optimizer"]
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with record_warnings() as caught:
         params, opt = _restore("zoadam", blob)
         start = opt.global_step + 1
         restored = opt.state_dict()
@@ -193,8 +192,8 @@ def three_rank_suite(rank, world, blobs):
 
 
 def _tiny_model():
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    with seeded(0):
+        return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
 
 
 def ddp_contract(rank, world, steps=14):

@@ -8,11 +8,12 @@ import torch
 from torch import nn
 
 import lightning_optim as lo
+from tests.ranks import seeded
 
 
 def _model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 3))
+    with seeded(0):
+        return nn.Sequential(nn.Linear(6, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 3))
 
 
 def _batch(rank: int, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:

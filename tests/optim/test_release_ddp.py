@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed import run_workers
+from tests.distributed import run_workers  # processes: the release hook steps in a gloo callback thread
 from tests.optim import release_ddp_workers as workers
 
 

@@ -21,7 +21,7 @@ from torch import nn
 
 import lightning_optim
 from lightning_optim.precision import FP16Optimizer, LossScaleUnderflow
-from tests.distributed import run_workers
+from tests.ranks import run_ranks, seeded
 from tests.reference.fp16_reference import clip_coefficient, expected_gradient, simulate_scale
 
 STEPS = 4
@@ -43,8 +43,8 @@ class Net(nn.Module):
 
 
 def make_model(seed: int = 0) -> Net:
-    torch.manual_seed(seed)
-    return Net().half()
+    with seeded(seed):
+        return Net().half()
 
 
 def trained(model: nn.Module) -> list[torch.Tensor]:
@@ -358,7 +358,7 @@ def two_rank_worker(rank: int, world: int) -> dict:
 
 @pytest.fixture(scope="module")
 def two_ranks() -> list[dict]:
-    return run_workers(2, two_rank_worker, timeout=120)
+    return run_ranks(2, two_rank_worker, timeout=120)
 
 
 def _reference_run(records: list[list[dict]], cfg: dict) -> list[torch.Tensor | None]:

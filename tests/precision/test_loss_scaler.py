@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lightning_optim.precision import DynamicLossScaler, LossScaleUnderflow
-from tests.distributed import run_workers
+from tests.ranks import run_ranks
 from tests.precision.scaler_workers import run_schedule
 from tests.reference.loss_scale_schedule import simulate
 
@@ -36,7 +36,7 @@ def test_schedule_matches_reference_on_one_process(kwargs):
 
 def test_two_ranks_skip_the_same_steps_when_one_rank_overflows():
     kwargs = CONFIGS[1]
-    results = run_workers(2, run_schedule, PATTERN, kwargs, timeout=60)
+    results = run_ranks(2, run_schedule, PATTERN, kwargs, timeout=60)
     used, skipped, underflow = _reference(kwargs, PATTERN)
     for res in results:
         assert (res["used"], res["skipped"], res["underflow"]) == (used, skipped, underflow)
