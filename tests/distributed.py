@@ -1,22 +1,22 @@
-"""Ranks as real processes, and torchrun launches: the harness for what threads of one process cannot be.
+"""Ranks as real processes, and launches as users launch (torchrun, ``python -m lightning_optim.train``).
 
     results = run_workers(2, my_fn, 3.0, timeout=60)   # my_fn(rank, world_size, 3.0) on each rank, in order
 
 Most multi-rank tests run their ranks as threads (``tests/ranks.py``). These run them as processes: a rank that
 dies or hangs on purpose (a thread cannot be killed, and a gloo group torn down under a hung collective takes
 its process with it), a rank's own environment variables, bytes read off a process's sockets
-(``tests/wire.py``), and Lightning's and Accelerate's process-wide rank state.
+(``tests/wire.py``), DDP hooks whose futures complete on gloo's own threads (outside any rank thread's group),
+and Lightning's and Accelerate's process-wide rank state.
 
 Each rank is a new process forked by multiprocessing's fork server, which imported torch, lightning-optim and
 Lightning once for this pytest process (``spawn`` instead when the call gives ``env=``: an import would have
 read the environment before it was set). It joins a gloo process group over TCP on 127.0.0.1 (a free port per
 call), sets one intra-op thread and calls ``fn(rank, world_size, *args)``; ``fn`` and its result must pickle.
 
-* a rank that raises -> ``WorkerError`` with its traceback (the others get a short grace period to report);
-* ``timeout`` seconds pass -> every rank is killed and ``TimeoutError`` is raised;
-* a rank that has reported stays (its group alive) until all have, so none takes rank 0's store away early;
-* a rank that exits without reporting -> ``WorkerError``, or ``None`` in its place with ``missing_ok=True``.
-``pg_timeout`` is the group's collective timeout (default ``timeout``).
+A rank that raises gives ``WorkerError`` with its traceback; past ``timeout`` every rank is killed
+(``TimeoutError``); a rank that exits without reporting gives ``WorkerError``, or ``None`` with ``missing_ok=True``.
+A rank that has reported keeps its group until all have (rank 0 hosts the store). ``pg_timeout``: the group's
+collective timeout (default ``timeout``).
 """
 from __future__ import annotations
 
@@ -35,8 +35,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as tmp
 
-__all__ = ["run_workers", "run_torchrun", "run_process", "run_script", "torchrun_results", "free_port", "error_text",
-           "WorkerError"]
+__all__ = ["run_workers", "run_torchrun", "run_cli", "run_module", "run_process", "run_script", "torchrun_results",
+           "free_port", "error_text", "WorkerError"]
 
 ERROR_GRACE_S = 3.0
 PRELOAD = ["lightning_optim", "lightning.pytorch"]  # what nearly every rank imports: once per fork server
@@ -72,6 +72,18 @@ def run_torchrun(script, *args: str, cwd, nproc: int = 2, timeout: float = 300) 
     done = run_process(command, cwd=cwd, timeout=timeout)
     assert done.returncode == 0, done.stderr[-4000:]
     return done
+
+
+def run_cli(args: list[str], *, cwd, env: dict[str, str] | None = None, timeout: float = 240
+            ) -> subprocess.CompletedProcess:
+    """``python -m lightning_optim.train *args`` in ``cwd``, as a user runs the main job."""
+    return run_module("lightning_optim.train", args, cwd=cwd, env=env, timeout=timeout)
+
+
+def run_module(module: str, args: list[str], *, cwd, env: dict[str, str] | None = None, timeout: float = 240
+               ) -> subprocess.CompletedProcess:
+    """``python -m <module> *args`` in ``cwd`` (environment: ``env``, default this process's)."""
+    return run_process([sys.executable, "-m", module, *map(str, args)], cwd=cwd, env=env, timeout=timeout)
 
 
 def run_process(command: list[str], *, cwd, timeout: float, env: dict[str, str] | None = None

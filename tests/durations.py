@@ -1,11 +1,7 @@
-"""Refresh ``tests/durations.json``, the measured seconds of each test file, from a pytest JUnit report.
+"""Refresh ``tests/durations.json`` (seconds per test file, from a pytest JUnit report), which ``tests/conftest.py``
+schedules the longest files first by (a stale figure costs wall time, never a result):
 
-    python -m pytest -q -n 2 --dist loadfile tests --junitxml=/tmp/report.xml
-    python tests/durations.py /tmp/report.xml
-
-``tests/conftest.py`` starts the longest files first from it, so that the README's two workers (each taking
-whole files) are not left with one long file running alone at the end. Only a schedule: a stale figure costs
-wall time, never a result.
+    python -m pytest -q -n 2 --dist loadfile tests --junitxml=/tmp/r.xml && python tests/durations.py /tmp/r.xml
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Process-wide state of lightning-optim (and Accelerate) that a long-lived process puts back between runs, so
+"""Process-wide state of lightning-optim that a long-lived process puts back between runs, so
 each run starts as a freshly started process would: used by the phased torchrun scripts (``tests/accel/phases.py``)
 between phases."""
 
@@ -42,12 +42,3 @@ def restore_library_state(saved_globals: dict[str, dict[str, object]]) -> None:
             if current.get(key, saved) is not value:
                 current[key] = value
 
-
-def reset_accelerate(*, keep_process_group: bool) -> None:
-    """Accelerate keeps its state in class-level singletons (the distributed type, the process group it took,
-    gradient accumulation): reset as Accelerate's own tests reset them, so the next ``Accelerator()`` sets
-    itself up as in a fresh process (``keep_process_group``: ``PartialState``, which holds the group, stays)."""
-    state = sys.modules.get("accelerate.state")
-    if state is not None:
-        state.AcceleratorState._reset_state(reset_partial_state=not keep_process_group)
-        state.GradientState._reset_state()

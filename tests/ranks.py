@@ -1,20 +1,13 @@
 """Ranks as threads of the test process, over real gloo: the harness of the algorithm tests.
 
-``run_ranks(world, fn, *args)`` runs ``fn(rank, world, *args)`` on ``world`` threads, each the rank of one gloo
-process group (``init_process_group("gloo", store=...)`` on a ``HashStore`` of its own per call), and returns the
-results in rank order. torch's own multi-threaded tests work the same way: ``ThreadLocalWorld`` gives every thread
-its own default group (so ``dist.get_rank()``, ``new_group`` and a ``DeviceMesh`` are the thread's rank's), and
-thread isolation keeps the C++ registry of group names per thread.
-
-Per rank thread, the library's byte counter (``comm_stats()``) is the rank's own; ``seeded(seed)`` builds a model
-from a seed without another rank's draws in between; ``record_warnings()`` and ``ignore_warnings()`` are
-``catch_warnings`` for one rank. What the ranks set process-wide in the library (a collective timeout, a
-warn-once flag) and in ``os.environ`` is put back when the run ends; a variable the ranks read is the test's to
-set (``monkeypatch.setenv``) before the run.
-
-What threads cannot be, stays in real processes (``tests/processes.py``): a rank that dies or hangs on purpose, a
-rank's own environment variables, bytes read off a process's sockets, Lightning's and Accelerate's process-wide
-rank state.
+``run_ranks(world, fn, *args)`` runs ``fn(rank, world, *args)`` on ``world`` threads, each a rank of one gloo group
+on a ``HashStore`` of its own per call, and returns the results in rank order. As in torch's own multi-threaded
+tests, ``ThreadLocalWorld`` gives every thread its own default group (``dist.get_rank()``, ``new_group`` and a
+``DeviceMesh`` are its rank's) and thread isolation keeps C++'s group names per thread. Each rank counts its own
+bytes (``comm_stats()``); ``seeded(seed)`` builds a model without another rank's draws in between;
+``record_warnings()`` is ``catch_warnings`` for one rank. The library's process-wide state and ``os.environ`` are
+put back when the run ends (a variable the ranks read is the test's to set, ``monkeypatch.setenv``). What threads
+cannot be stays in processes (``tests/distributed.py``).
 """
 
 from __future__ import annotations
@@ -38,7 +31,7 @@ from tests.library_state import library_globals, restore_library_state
 
 _CALLS = itertools.count()
 _RNG = threading.Lock()
-_THIS_RANK = threading.local()  # what a rank thread does with the warnings it issues: .found (a list) or .ignore
+_THIS_RANK = threading.local()  # a rank thread's own: .found (its recorded warnings), .counting
 _SHOW = warnings.showwarning
 
 
@@ -72,19 +65,7 @@ def record_warnings():
         _THIS_RANK.found = None
 
 
-@contextlib.contextmanager
-def ignore_warnings():
-    """The warnings of this rank thread's block are dropped (``simplefilter("ignore")`` for one thread)."""
-    if warnings.showwarning is not _route:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            yield
-        return
-    _THIS_RANK.ignore = True
-    try:
-        yield
-    finally:
-        _THIS_RANK.ignore = False
+ignore_warnings = record_warnings  # what a block records and nobody reads is dropped
 
 
 _WRAPPED: dict[tuple[int, str], list] = {}  # (id(module), name) -> [threads counting, the real function]
@@ -131,7 +112,7 @@ def _route(message, category, filename, lineno, file=None, line=None) -> None:
     found = getattr(_THIS_RANK, "found", None)
     if found is not None:
         found.append(warnings.WarningMessage(message, category, filename, lineno, file, line))
-    elif not getattr(_THIS_RANK, "ignore", False):
+    else:
         _SHOW(message, category, filename, lineno, file, line)
 
 

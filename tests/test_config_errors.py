@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 
 from lightning_optim.conf_dir import OPTIMIZER_ALIASES, STRATEGY_ALIASES, conf_dir
 from lightning_optim.config_check import ConfigError, check_config
-from tests.cli import run_cli
+from tests.distributed import run_cli
 
 CONF = conf_dir()
 # A deprecated alias composes to its target's config (tests/test_configs.py): checked once, by its new name.

@@ -20,9 +20,16 @@ from hydra import compose, initialize_config_dir
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
 from lightning_optim.conf_dir import ALIASES, conf_dir
-from lightning_optim.config_check import (SCHEMA, ConfigError, check_config, checked_datamodule, key_rules, resolved,
-                                          trainer_error)
-from tests.cli import run_cli
+from lightning_optim.config_check import (
+    SCHEMA,
+    ConfigError,
+    check_config,
+    checked_datamodule,
+    key_rules,
+    resolved,
+    trainer_error,
+)
+from tests.distributed import run_cli
 
 CONF = conf_dir()
 README = Path(__file__).resolve().parents[1] / "README.md"

@@ -99,7 +99,7 @@ def test_wheel_metadata(wheel: Path):
 @pytest.mark.slow
 def test_installed_wheel_runs_the_job(wheel: Path, tmp_path: Path):
     """Install the wheel (not editable) into its own folder and train from another directory through its console
-    script (``python -m lightning_optim.train`` is the same module: every ``tests.cli`` run starts it that way).
+    script (``python -m lightning_optim.train`` is the same module, which the other main-job tests start).
 
     ``--target`` + ``PYTHONPATH`` rather than a venv: the dependencies come from the running
     environment, wherever it lives, and the wheel's copy shadows any editable install. Which copy ran is in the

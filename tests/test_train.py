@@ -11,13 +11,12 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 from omegaconf import OmegaConf
 
 from lightning_optim.config_check import ConfigError, check_config
 from lightning_optim.model import warmup_cosine
 from lightning_optim.train import ProgressBar, build_trainer, last_epoch, release_defaults, run
-from tests.cli import run_cli
+from tests.distributed import run_cli
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 # One process whatever the default strategy is: an in-process DDP launch would re-run pytest's argv.

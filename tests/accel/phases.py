@@ -29,10 +29,11 @@ again, and the process group is already connected.
 from __future__ import annotations
 
 import gc
+import sys
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from tests.library_state import KEPT_BY_DEFAULT, library_globals, reset_accelerate, restore_library_state
+from tests.library_state import KEPT_BY_DEFAULT, library_globals, restore_library_state
 
 SEPARATOR = "then"  # a bare word: torchrun hands it to the script untouched, and no option value is "then"
 
@@ -98,3 +99,13 @@ def end_launch() -> None:
     from accelerate import PartialState
 
     PartialState().destroy_process_group()
+
+
+def reset_accelerate(*, keep_process_group: bool) -> None:
+    """Accelerate keeps its state in class-level singletons (the distributed type, the process group it took,
+    gradient accumulation): reset as Accelerate's own tests reset them, so the next ``Accelerator()`` sets
+    itself up as in a fresh process (``keep_process_group``: ``PartialState``, which holds the group, stays)."""
+    state = sys.modules.get("accelerate.state")
+    if state is not None:
+        state.AcceleratorState._reset_state(reset_partial_state=not keep_process_group)
+        state.GradientState._reset_state()

@@ -23,7 +23,7 @@ import math
 import pytest
 import torch
 
-from tests.distributed import run_workers
+from tests.distributed import run_workers  # processes: PowerSGD's futures complete on gloo's threads
 from tests.distributed_optim.ddp_hook_workers import (BUCKET_STEPS, CASES, LR, PATH, POWERSGD_BUCKETS, RESUMED, STEPS,
                                                       make_model, suite)
 from tests.reference.compressors import RefCompressedWorkers

@@ -8,7 +8,7 @@ import re
 import time
 from pathlib import Path
 
-from tests.cli import run_module
+from tests.distributed import run_module
 
 REPO = Path(__file__).resolve().parents[2]
 # Also the rendezvous bound (init_process_group), which rank 0 enters once rank 1 enters it (fail_script.py).

@@ -16,7 +16,7 @@ from lightning_optim.lightning import OnebitAdamStrategy, OnebitLambStrategy, Ze
 from lightning_optim.model import ByteGPT, param_groups
 from lightning_optim.onebit import OnebitAdam
 from lightning_optim.train import lightning_arg
-from tests.cli import run_cli
+from tests.distributed import run_cli
 
 
 def test_default_is_onebit_adam_on_two_processes(compose_train):

@@ -133,7 +133,7 @@ def test_limit_auto_freeze_refuses_a_bad_run_length_or_share_by_name(cls_name):
 
 
 def test_the_decision_reaches_a_plain_script_without_logging(tmp_path):
-    from tests.cli import run_module
+    from tests.distributed import run_module
 
     repo = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": str(repo)}
