@@ -25,10 +25,10 @@ import zlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from .dense import world_size
+from .groups import backend_name
 from .timeouts import gather_rows
 
 __all__ = ["agree", "control_device", "differing", "error_code", "fingerprint", "layout_signature", "share_rows"]
@@ -50,7 +50,7 @@ def layout_signature(tensors: Sequence[Tensor]) -> tuple[int, int, int, int]:
 
 def control_device(group=None, like: Iterable[Tensor] = ()) -> torch.device:
     """Where the group's small control tensors must live: a CUDA device of ``like`` for NCCL, else CPU."""
-    if dist.is_available() and dist.is_initialized() and dist.get_backend(group) == "nccl":
+    if backend_name(group) == "nccl":
         for t in like:
             if t.is_cuda:
                 return t.device

@@ -40,6 +40,7 @@ from torch import Tensor
 
 from . import pieces as passes
 from .dense import world_size as _world_size
+from .groups import backend_name, group_rank
 from .plan import CompressionPlan, plan_for
 from .stats import CommStats, comm_stats
 from .timeouts import check_process_group, collective, gather_rows
@@ -136,7 +137,7 @@ def _agree(plan: CompressionPlan, dtype: torch.dtype, device: torch.device, grou
     """Every rank must reduce the same tensor (size, segments, dtype): checked in one bounded
     all_gather before any data moves, and refused with the same figures on every rank."""
     code = _DTYPE_CODES.get(dtype, 9)
-    on = device if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    on = device if backend_name(group) == "nccl" else torch.device("cpu")
     # its bytes are part of compressed_bytes(), counted with the call
     rows = gather_rows("all_gather(sizes)", (*plan.signature, code), group=group, device=on, stats=CommStats())
     if len(set(rows)) > 1:
@@ -203,7 +204,7 @@ def compressed_allreduce(tensor: Tensor, worker_error: Tensor, server_error: Ten
         if momentum is not None:
             passes.lerp_segments_(tensor.view(-1), momentum[0], momentum[1], plan.lengths)
         return tensor
-    rank = dist.get_rank(group)
+    rank = group_rank(group)
     device = tensor.device
     s = _scratch(plan, device)
     _agree(plan, tensor.dtype, device, group)

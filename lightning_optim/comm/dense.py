@@ -5,22 +5,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .groups import backend_name, group_rank, is_group_object, world_size
 from .stats import CommStats, comm_stats, ring_allreduce_bytes
 from .timeouts import check_process_group, collective
 
-__all__ = ["allreduce_mean", "agreed_norm", "world_size"]
+__all__ = ["allreduce_mean", "agreed_norm", "backend_name", "group_rank", "is_group_object", "world_size"]
 
 _UPCAST = (torch.bfloat16, torch.float16)
-
-
-def world_size(group=None) -> int:
-    """Ranks in ``group``; 1 when torch.distributed is not initialized."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return 1
-    size = dist.get_world_size(group)
-    if size < 1:
-        raise ValueError(f"this rank (global rank {dist.get_rank()}) is not a member of group {group!r}")
-    return size
 
 
 def allreduce_mean(tensor: Tensor, group=None, stats: CommStats | None = None) -> Tensor:

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from .groups import is_group_object
 from .timeouts import CommunicationError, collective_timeout, group_timeout
 
 __all__ = ["PendingCollective", "start_collective"]
@@ -27,7 +28,7 @@ _MIN_WAIT_S = 1e-3  # a wait whose time is already up still asks the backend onc
 
 def _this_rank(group) -> str:
     try:
-        return str(dist.get_rank(group))
+        return str(group.rank() if is_group_object(group) else dist.get_rank(group))
     except Exception:  # noqa: BLE001 - only for the message
         return "?"
 

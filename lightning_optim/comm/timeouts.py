@@ -28,6 +28,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .groups import is_group_object
+
 __all__ = [
     "CommunicationError",
     "DEFAULT_COLLECTIVE_TIMEOUT_S",
@@ -111,7 +113,7 @@ def group_timeout(group=None) -> float | None:
 
 def _rank(group) -> str:
     try:
-        return str(dist.get_rank(group))
+        return str(group.rank() if is_group_object(group) else dist.get_rank(group))
     except Exception:  # noqa: BLE001 - only for the message
         return "?"
 

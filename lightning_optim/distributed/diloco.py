@@ -61,6 +61,11 @@ own) and ``"diloco"`` (``diloco_state.py``: global params, outer momentum, step,
 states, an overlapped exchange still to merge - waited for first). A reload in a fresh object continues
 bitwise. Failures: a rank that dies or hangs during an exchange makes the others raise ``CommunicationError``
 naming it within ``lightning_optim.comm.collective_timeout()`` (``comm/roll_call.py``).
+
+Fault tolerance (``manager=``, a ``torchft.Manager``; ``diloco_replicas.py``): the exchanges run between
+replica groups as quorum steps of the manager; a replica that dies or is cut off costs the survivors the
+exchange in progress (discarded everywhere it failed), a returning replica is healed from a peer and rejoins at
+the next synchronisation.
 """
 from __future__ import annotations
 
@@ -93,6 +98,7 @@ from .diloco_exchange import (
     resolve_compressor,
     start_exchange,
 )
+from .diloco_replicas import ReplicaExchange, ReplicaRounds, Round, check_manager, heal_from, healing_state
 from .diloco_schedule import fragment_bounds, outer_step_, pseudo_gradients, syncing_fragment, take_global_
 from .diloco_state import check_section
 from .loading import check_local_state_dict
@@ -100,7 +106,7 @@ from .loading import check_local_state_dict
 __all__ = ["DiLoCo", "check_diloco_arguments"]
 
 ARGUMENTS = ("inner", "params", "sync_every", "fragments", "outer_lr", "outer_momentum", "nesterov", "overlap",
-             "mixing", "compressor", "final_sync")
+             "mixing", "compressor", "final_sync", "manager")
 _FIELDS = ("sync_every", "fragments", "overlap", "nesterov", "outer_lr", "outer_momentum", "mixing", "compressor",
            "final_sync", "params", "elements", "shapes")
 _WIDENED = (torch.float16, torch.bfloat16)  # their global copy, momentum and residuals are fp32
@@ -204,6 +210,9 @@ class DiLoCo(torch.optim.Optimizer):
             params, and rank 0 warns; continuing the same objects afterwards then takes exactly the steps of one
             uninterrupted run.
         process_group: the ranks that average (None: the default group).
+        manager: a ``torchft.Manager`` (``use_async_quorum=False``) whose replicas average, fault-tolerantly
+            (see ``diloco_replicas.py``); excludes ``process_group``. Construction joins the replicas: it waits
+            for a quorum and, on a replica that starts late or returns, takes the global state from a peer.
     """
 
     # the checked arguments (``_check_settings``), set together in ``__init__``
@@ -219,8 +228,13 @@ class DiLoCo(torch.optim.Optimizer):
     def __init__(self, inner: torch.optim.Optimizer, *, sync_every: int, outer_lr: float = 0.7,
                  outer_momentum: float = 0.9, nesterov: bool = True, fragments: int = 1, overlap: bool = False,
                  mixing: float | None = None, compressor: Any = None, final_sync: bool = True,
-                 process_group: Any = None) -> None:
+                 process_group: Any = None, manager: Any = None) -> None:
         check_process_group("process_group", process_group)
+        if manager is not None:
+            if process_group is not None:
+                raise ValueError("process_group and manager exclude each other: with a torchft manager the replicas "
+                                 "average over the manager's process group")
+            check_manager(manager)
         error, row = None, None
         try:
             params = _check_inner(inner)
@@ -248,6 +262,7 @@ class DiLoCo(torch.optim.Optimizer):
         self.__dict__.update(settings)
         self.compressor_name = compressor_name
         self.bounds = fragment_bounds([p.numel() for p in params], self.fragments)
+        self._prototype = prototype
         self.compressors = [None if prototype is None else copy.deepcopy(prototype) for _ in self.bounds]
         with torch.no_grad():
             self.global_params = [p.detach().to(torch.float32 if p.dtype in _WIDENED else p.dtype, copy=True)
@@ -257,7 +272,10 @@ class DiLoCo(torch.optim.Optimizer):
         self.outer_momenta = [torch.zeros_like(g) for g in self.global_params] if self.outer_momentum else []
         self.residuals: list[Tensor | None] = [None] * len(params)
         self.inner_steps = 0
-        self.pending: tuple[int, int, Exchange] | None = None  # (fragment, step it merges at, its exchange)
+        self.pending: tuple[int, int, Any] | None = None  # (fragment, step it merges at, its exchange)
+        self.replicas = None if manager is None else ReplicaRounds(manager, self)
+        if self.replicas is not None:
+            self._join(self.replicas)
 
     # ------------------------------------------------------------------ torch.optim.Optimizer face
     # read-only views of the inner optimizer's, where torch.optim.Optimizer declares plain attributes
@@ -298,22 +316,76 @@ class DiLoCo(torch.optim.Optimizer):
             if self.pending is not None and self.pending[1] == t:
                 merged, _, exchange = self.pending
                 self.pending = None
-                self._merge(merged, exchange.result(), self.mixing)
+                self._finish_exchange(merged, exchange, self.mixing)
             fragment = syncing_fragment(t, self.sync_every, self.fragments)
             if fragment is not None:
                 exchange = self._start(fragment, t)
                 if self.overlap:
                     self.pending = (fragment, t + 1, exchange)
                 else:
-                    self._merge(fragment, exchange.result(), None)
+                    self._finish_exchange(fragment, exchange, None)
         return loss
 
-    def _start(self, fragment: int, t: int, final: bool = False) -> Exchange:
+    def _start(self, fragment: int, t: int, final: bool = False) -> Exchange | ReplicaExchange:
+        """Start the exchange of ``fragment`` after inner step ``t``; with a manager, in a new quorum round."""
+        if self.replicas is None:
+            return self._exchange(fragment, t, final, self.process_group)
+        self.replicas.open(Round(t, fragment, final))
+        return self._start_in_round(self.replicas, fragment, t, final)
+
+    def _start_in_round(self, replicas: ReplicaRounds, fragment: int, t: int, final: bool) -> ReplicaExchange:
+        lo, hi = self.bounds[fragment]
+        residuals = [None if e is None else e.clone() for e in self.residuals[lo:hi]]
+        compressor = copy.deepcopy(self.compressors[fragment])
+
+        def restore() -> None:  # the exchange is discarded: its error feedback never happened
+            self.residuals[lo:hi] = residuals
+            self.compressors[fragment] = compressor
+
+        return replicas.start(lambda group: self._exchange(fragment, t, final, group), restore)
+
+    def _finish_exchange(self, fragment: int, exchange: Exchange | ReplicaExchange, mixing: float | None) -> None:
+        if isinstance(exchange, ReplicaExchange):
+            averaged = exchange.rounds.close(exchange)
+            if averaged is not None:
+                self._merge(fragment, averaged, mixing)
+        else:
+            self._merge(fragment, exchange.result(), mixing)
+
+    def _join(self, replicas: ReplicaRounds) -> None:
+        """Join the replicas (construction with a manager): a quorum; a replica healed in it takes part in the
+        round its peers are in, with weight 0."""
+        replicas.open(Round(self.inner_steps, None))
+        round_ = replicas.round
+        if not replicas.healed or round_ is None or round_.fragment is None:
+            replicas.manager.should_commit()
+            return
+        with torch.no_grad():
+            exchange = self._start_in_round(replicas, round_.fragment, round_.step, round_.final)
+            if self.overlap and not round_.final:
+                self.pending = (round_.fragment, round_.step + 1, exchange)
+            else:
+                self._finish_exchange(round_.fragment, exchange, None)
+
+    # ------------------------------------------------------------------ healing (manager=)
+    def healing_state(self) -> dict[str, Any]:
+        """What a healing replica takes from this one (not copied: the caller copies)."""
+        return healing_state(self)
+
+    def take_healing_state(self, state: dict[str, Any]) -> None:
+        """Take a healthy peer's state (see ``diloco_replicas.py``)."""
+        heal_from(self, state)
+
+    def reset_compressors(self) -> None:
+        """The compressors' own state back to its initial, seeded one (the replicas changed)."""
+        self.compressors = [None if self._prototype is None else copy.deepcopy(self._prototype) for _ in self.bounds]
+
+    def _exchange(self, fragment: int, t: int, final: bool, group: Any) -> Exchange:
         lo, hi = self.bounds[fragment]
         deltas = pseudo_gradients(self.global_params[lo:hi], self.params[lo:hi])
         compressor = self.compressors[fragment]
         residuals: list[Tensor] | None = None
-        if compressor is not None and not keeps_own_errors(compressor) and world_size(self.process_group) > 1:
+        if compressor is not None and not keeps_own_errors(compressor) and world_size(group) > 1:
             residuals = []
             for i in range(lo, hi):
                 residual = self.residuals[i]
@@ -321,9 +393,10 @@ class DiLoCo(torch.optim.Optimizer):
                     residual = self.residuals[i] = torch.zeros_like(self.global_params[i])
                 residuals.append(residual)
         kind = "final exchange" if final else "exchange"
-        return start_exchange(deltas, compressor=compressor, residuals=residuals, group=self.process_group,
+        return start_exchange(deltas, compressor=compressor, residuals=residuals, group=group,
                               what=f"DiLoCo {kind} of fragment {fragment} after inner step {t}",
-                              tag=f"diloco/{'final' if final else 'step'}{t}/fragment{fragment}")
+                              tag=f"diloco/{'final' if final else 'step'}{t}/fragment{fragment}",
+                              roll_call=self.replicas is None)
 
     def _merge(self, fragment: int, averaged: list[Tensor], mixing: float | None) -> None:
         lo, hi = self.bounds[fragment]
@@ -363,7 +436,13 @@ class DiLoCo(torch.optim.Optimizer):
             if self.pending is not None:  # its merge would have followed the next step: it follows now
                 fragment, _, exchange = self.pending
                 self.pending = None
-                self._merge(fragment, exchange.result(), self.mixing)
+                self._finish_exchange(fragment, exchange, self.mixing)
+            if self.replicas is not None:  # replicas come and go: every fragment not synchronised just now
+                just_now = None if self.overlap else syncing_fragment(t, self.sync_every, self.fragments)
+                apart = [f for f in range(self.fragments) if f != just_now]
+                for fragment in apart:
+                    self._finish_exchange(fragment, self._start(fragment, t, final=True), None)
+                return bool(apart)
             apart = fragments_apart(self.params, self.global_params, self.bounds, self.process_group)
             for fragment in apart:
                 self._merge(fragment, self._start(fragment, t, final=True).result(), None)
@@ -389,7 +468,9 @@ class DiLoCo(torch.optim.Optimizer):
         pending = None
         if self.pending is not None:
             fragment, merge_at, exchange = self.pending
-            pending = {"fragment": fragment, "merge_at": merge_at, "deltas": [d.clone() for d in exchange.result()]}
+            deltas = exchange.result() if isinstance(exchange, Exchange) else exchange.rounds.peek(exchange)
+            pending = None if deltas is None else {"fragment": fragment, "merge_at": merge_at,
+                                                   "deltas": [d.clone() for d in deltas]}
         world, rank = self._origin()
         out["diloco"] = {
             "step": self.inner_steps,
@@ -402,6 +483,8 @@ class DiLoCo(torch.optim.Optimizer):
             "world_size": world,
             "rank": rank,
         }
+        if self.replicas is not None:
+            out["diloco"]["replicas"] = dict(self.replicas.manager.state_dict())
         return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -412,7 +495,12 @@ class DiLoCo(torch.optim.Optimizer):
     def _load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if not isinstance(state_dict, dict):
             raise ValueError(f"state_dict must be a dict from DiLoCo.state_dict(), got {type(state_dict).__name__}")
-        loaded = check_section(state_dict.get("diloco"), settings=self._settings(), bounds=self.bounds,
+        section = state_dict.get("diloco")
+        replicas_step = None
+        if isinstance(section, dict) and "replicas" in section:
+            section = {k: v for k, v in section.items() if k != "replicas"}
+            replicas_step = state_dict["diloco"]["replicas"]
+        loaded = check_section(section, settings=self._settings(), bounds=self.bounds,
                                global_params=self.global_params, outer_momentum=self.outer_momenta,
                                compressors=self.compressors, origin=self._origin())
         inner_part = {k: v for k, v in state_dict.items() if k != "diloco"}
@@ -427,3 +515,5 @@ class DiLoCo(torch.optim.Optimizer):
         if loaded.pending is not None:
             fragment, merge_at, deltas = loaded.pending
             self.pending = (fragment, merge_at, Exchange.ready(deltas))
+        if self.replicas is not None and isinstance(replicas_step, dict):
+            self.replicas.manager.load_state_dict(replicas_step)

@@ -17,6 +17,8 @@ A failure (a rank died or hung) becomes ``CommunicationError`` naming the rank(s
 roll call of ``comm/roll_call.py``, within the collective timeout counted from the exchange's start (the
 collective is waited on until ``bound - grace``, the roll call until the bound). The blocking compressors'
 collectives keep their own full bound: their roll call ends ``grace`` after the bound (or after the failure).
+``roll_call=False`` (a torchft manager's replicas: their membership is the manager's to find out) raises the
+``CommunicationError`` as it comes, without a roll call.
 """
 from __future__ import annotations
 
@@ -84,6 +86,7 @@ class Exchange:
 
     def __init__(self, what: str, tag: str, group: Any, started: float, bound: float) -> None:
         self.what, self.tag, self.group, self.started, self.bound = what, tag, group, started, bound
+        self.roll_call = True
         self._wait: Callable[[float], list[Tensor]] | None = None
         self._values: list[Tensor] | None = None
 
@@ -105,6 +108,8 @@ class Exchange:
             try:
                 self._values = wait(grace_for(self.bound))
             except CommunicationError as exc:
+                if not self.roll_call:
+                    raise
                 raise named_failure(exc, self.what, self.tag, self.group, until=self.started + self.bound) from exc
         return self._values
 
@@ -128,7 +133,8 @@ def _flat_allreduce(deltas: Sequence[Tensor], exchange: Exchange, world: int, st
 
 
 def start_exchange(deltas: Sequence[Tensor], *, compressor: Compressor | None, residuals: Sequence[Tensor] | None,
-                   group: Any, what: str, tag: str, stats: CommStats | None = None) -> Exchange:
+                   group: Any, what: str, tag: str, stats: CommStats | None = None,
+                   roll_call: bool = True) -> Exchange:
     """Start averaging ``deltas`` over ``group`` (see the module docstring); ``tag`` names the roll call."""
     stats = comm_stats() if stats is None else stats
     world = world_size(group)
@@ -136,6 +142,7 @@ def start_exchange(deltas: Sequence[Tensor], *, compressor: Compressor | None, r
         return Exchange.ready([d.clone() for d in deltas])
     started, bound = time.monotonic(), collective_timeout()
     exchange = Exchange(what, tag, group, started, bound)
+    exchange.roll_call = roll_call
     try:
         if compressor is None:
             _flat_allreduce(deltas, exchange, world, stats)
@@ -146,6 +153,8 @@ def start_exchange(deltas: Sequence[Tensor], *, compressor: Compressor | None, r
             exchange._values = compressor.reduce(deltas, None if keeps_own_errors(compressor) else residuals,
                                                  group=group, stats=stats)
     except CommunicationError as exc:
+        if not roll_call:
+            raise
         # a blocking compressor's collective has the full bound: survivors that only time out answer just after it
         until = max(started + bound, time.monotonic()) + grace_for(bound)
         raise named_failure(exc, what, tag, group, until=until) from exc

@@ -28,24 +28,17 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from lightning_optim.optim.validation import check_flag
 
 from ..agreement import agree, fingerprint, layout_signature
+from ..groups import group_rank
 from ..stats import CommStats, comm_stats
 from ..timeouts import check_process_group
 from .feedback import absorb_, compensate
 
 __all__ = ["Compressor", "LocalCompressor", "agree_layout", "check_reduce_args", "group_rank", "stats_or_default"]
-
-
-def group_rank(group=None) -> int:
-    """This process's rank in ``group`` (0 without torch.distributed)."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return 0
-    return dist.get_rank(group)
 
 
 def check_reduce_args(tensors: Sequence[Tensor], residuals: Sequence[Tensor] | None, group: Any,

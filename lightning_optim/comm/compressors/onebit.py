@@ -19,7 +19,6 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from lightning_optim.optim.validation import check_int
@@ -100,7 +99,7 @@ class OnebitCompressor(Compressor):
 
     def belongs_here(self, group=None) -> bool:
         """Whether the residuals (if any) were made by this rank of this world size, for this node size."""
-        here = (world_size(group), group_rank(group)) if dist.is_available() and dist.is_initialized() else (1, 0)
+        here = (world_size(group), group_rank(group))
         return self.worker_error is None or (self.origin == here and self.made_per_node == self._per_node_now(group))
 
     def state_dict(self) -> dict[str, Any]:
