@@ -42,7 +42,6 @@ Deviations from mlbench (each because mlbench's behaviour is a bug or a trap):
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -68,7 +67,7 @@ from lightning_optim.distributed.agreement import (
 )
 from lightning_optim.distributed.loading import check_local_state_dict
 from lightning_optim.optim.adam import Adam
-from lightning_optim.optim.hooks import load_with_hooks, state_dict_with_hooks
+from lightning_optim.optim.hooks import init_wrapper_hooks, load_with_hooks, state_dict_with_hooks
 from lightning_optim.optim.sgd import SGD
 from lightning_optim.optim.validation import check_flag, check_positive
 
@@ -127,10 +126,7 @@ class GenericCentralizedOptimizer(torch.optim.Optimizer):
         world, optimizer, params = check_then_agree(who, local, SETUP_FIELDS, show=show_setup)
         warn_use_cuda(who, use_cuda, params)
         # from here on every argument passed on every rank: take them
-        for hooks in ("step_pre", "step_post", "state_dict_pre", "state_dict_post", "load_state_dict_pre",
-                      "load_state_dict_post"):
-            setattr(self, f"_optimizer_{hooks}_hooks", OrderedDict())
-        self._patch_step_function()  # torch's step hooks and profiler label, as Optimizer.__init__ does
+        init_wrapper_hooks(self)  # torch's step hooks and profiler label, as Optimizer.__init__ does
         self.optimizer = optimizer
         self.model = model
         self.world_size = world

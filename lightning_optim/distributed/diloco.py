@@ -71,7 +71,6 @@ from __future__ import annotations
 
 import copy
 import warnings
-from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -81,7 +80,7 @@ from torch import Tensor
 from lightning_optim.comm.agreement import agree, fingerprint, layout_signature
 from lightning_optim.comm.dense import world_size
 from lightning_optim.comm.timeouts import check_process_group
-from lightning_optim.optim.hooks import load_with_hooks, state_dict_with_hooks
+from lightning_optim.optim.hooks import init_wrapper_hooks, load_with_hooks, state_dict_with_hooks
 from lightning_optim.optim.validation import check_flag, check_int, check_positive, check_unit_interval
 
 from .agreement import bits_float, float_bits
@@ -252,10 +251,7 @@ class DiLoCo(torch.optim.Optimizer):
         # every rank checked its own arguments; now all raise, or none does
         agree(type(self).__name__, _FIELDS, row, group=process_group, like=[] if error else params, error=error,
               arguments=ARGUMENTS, show=_show)
-        for hooks in ("step_pre", "step_post", "state_dict_pre", "state_dict_post", "load_state_dict_pre",
-                      "load_state_dict_post"):
-            setattr(self, f"_optimizer_{hooks}_hooks", OrderedDict())
-        self._patch_step_function()  # torch's step hooks and profiler label, as Optimizer.__init__ does
+        init_wrapper_hooks(self)  # torch's step hooks and profiler label, as Optimizer.__init__ does
         self.inner = inner
         self.process_group = process_group
         self.params = params

@@ -13,7 +13,7 @@ by :func:`packed_state_dict` and :func:`install_state` (no hook runs twice).
 from __future__ import annotations
 
 import copy
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from collections.abc import Callable
 from typing import Any
 
@@ -95,3 +95,13 @@ def step_without_hooks(cls: type[torch.optim.Optimizer]) -> Callable[..., Any]:
     would run every hook twice once the parent class has been built somewhere in the process."""
     step: Callable[..., Any] = cls.step
     return getattr(step, "__wrapped__", step) if getattr(step, "hooked", False) else step
+
+
+def init_wrapper_hooks(opt: torch.optim.Optimizer) -> None:
+    """What ``torch.optim.Optimizer.__init__`` sets up for hooks, for a wrapper that delegates its param groups
+    and state to another optimizer instead of calling it: the hook registries and the patched ``step`` (torch's
+    step hooks and profiler label)."""
+    for hooks in ("step_pre", "step_post", "state_dict_pre", "state_dict_post", "load_state_dict_pre",
+                  "load_state_dict_post"):
+        setattr(opt, f"_optimizer_{hooks}_hooks", OrderedDict())
+    opt._patch_step_function()

@@ -1,14 +1,9 @@
-"""Fault-tolerant training on torchft (``pip install 'lightning-optim[ft]'``): the pieces a replica needs.
-
-torchft is the engine: its Lighthouse forms a quorum of replica groups at every synchronisation, its
-``Manager`` (one per replica group) reconfigures the process group over the replicas of each quorum, decides
-every step on all of them (``should_commit``) and heals a replica that starts late or returns from a healthy
-peer. This module only builds them with the settings our optimizers need:
+"""The Lighthouse and the per-replica-group ``torchft.Manager``, made with the settings our optimizers need.
 
     # once, anywhere the replicas can reach (or `torchft_lighthouse --min_replicas 1 --join_timeout_ms 1000`):
-    lighthouse = lightning_optim.fault_tolerance.local_lighthouse(min_replicas=1)
-    # in every replica (each one its own launch: `python train.py`, `torchrun ...`):
-    manager = lightning_optim.fault_tolerance.replica_manager(replica_id="a", lighthouse=lighthouse.address())
+    lighthouse = local_lighthouse(min_replicas=1)
+    # in every replica group (each one its own launch: `python train.py`, `torchrun ...`):
+    manager = replica_manager(replica_id="a", lighthouse=lighthouse.address())
     optimizer = lightning_optim.DiLoCo(torch.optim.AdamW(model.parameters()), sync_every=50, manager=manager)
 
 A replica group may be one process (a store is started for it) or several launched by ``torchrun`` (its
