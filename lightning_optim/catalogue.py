@@ -118,6 +118,12 @@ STRATEGIES: dict[str, StrategyEntry] = {e.name: e for e in (
     StrategyEntry("streaming_diloco", "StreamingDiLoCoStrategy",
                   "Streaming DiLoCo (lightning_optim): DiLoCo in fragments, one synchronised every "
                   "sync_every/fragments steps, overlapped with the next step"),
+    StrategyEntry("ft_diloco", "FTDiLoCoStrategy",
+                  "Fault-tolerant DiLoCo across replica groups on torchft (lightning_optim): one process per replica, "
+                  "each synchronisation a quorum of the replicas alive; a dead replica costs one exchange"),
+    StrategyEntry("ft_ddp", "FTDDPStrategy",
+                  "Fault-tolerant data parallelism across replica groups on torchft (lightning_optim): one process "
+                  "per replica, every step a quorum, gradients averaged over the replicas alive"),
     StrategyEntry("onebit_fsdp", "OnebitFSDPStrategy",
                   "HSDP (FSDP2 on a replicate x shard mesh) + 1-bit Adam across the replicas (lightning_optim): "
                   "HSDP's fp32 all-reduce in warmup, then the 1-bit compressed momentum exchange", "onebit_adam",

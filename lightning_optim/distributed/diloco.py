@@ -97,7 +97,15 @@ from .diloco_exchange import (
     resolve_compressor,
     start_exchange,
 )
-from .diloco_replicas import ReplicaExchange, ReplicaRounds, Round, check_manager, heal_from, healing_state
+from .diloco_replicas import (
+    ReplicaExchange,
+    ReplicaRounds,
+    Round,
+    check_manager,
+    check_replicas_part,
+    heal_from,
+    healing_state,
+)
 from .diloco_schedule import fragment_bounds, outer_step_, pseudo_gradients, syncing_fragment, take_global_
 from .diloco_state import check_section
 from .loading import check_local_state_dict
@@ -479,8 +487,9 @@ class DiLoCo(torch.optim.Optimizer):
             "world_size": world,
             "rank": rank,
         }
-        if self.replicas is not None:
-            out["diloco"]["replicas"] = dict(self.replicas.manager.state_dict())
+        if self.replicas is not None:  # the join at construction may replace the params: the checkpoint keeps them
+            out["diloco"]["replicas"] = {**self.replicas.manager.state_dict(),
+                                         "params": [p.detach().clone() for p in self.params]}
         return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -492,10 +501,10 @@ class DiLoCo(torch.optim.Optimizer):
         if not isinstance(state_dict, dict):
             raise ValueError(f"state_dict must be a dict from DiLoCo.state_dict(), got {type(state_dict).__name__}")
         section = state_dict.get("diloco")
-        replicas_step = None
+        replicas_part = None
         if isinstance(section, dict) and "replicas" in section:
             section = {k: v for k, v in section.items() if k != "replicas"}
-            replicas_step = state_dict["diloco"]["replicas"]
+            replicas_part = check_replicas_part(state_dict["diloco"]["replicas"], self.params)
         loaded = check_section(section, settings=self._settings(), bounds=self.bounds,
                                global_params=self.global_params, outer_momentum=self.outer_momenta,
                                compressors=self.compressors, origin=self._origin())
@@ -511,5 +520,10 @@ class DiLoCo(torch.optim.Optimizer):
         if loaded.pending is not None:
             fragment, merge_at, deltas = loaded.pending
             self.pending = (fragment, merge_at, Exchange.ready(deltas))
-        if self.replicas is not None and isinstance(replicas_step, dict):
-            self.replicas.manager.load_state_dict(replicas_step)
+        if replicas_part is not None:
+            params, step = replicas_part
+            with torch.no_grad():
+                for p, saved in zip(self.params, params):
+                    p.copy_(saved)
+            if self.replicas is not None:
+                self.replicas.manager.load_state_dict(step)

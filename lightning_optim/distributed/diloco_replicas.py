@@ -28,8 +28,9 @@ state (1-bit server errors are tied to the rank layout, PowerSGD's basis must be
 their initial, seeded state, and a healed replica starts with zero residuals.
 
 Rules: ``manager`` excludes ``process_group``; no construction agreement runs over the replicas (they come and
-go): launch them with the same arguments. The manager's committed step is saved in DiLoCo's checkpoint and
-restored with it.
+go): launch them with the same arguments. A checkpoint also holds the manager's committed step and this
+replica's params (the join at construction may have replaced them with a peer's): loaded after construction, as
+every framework loads optimizer state, it resumes bitwise.
 """
 from __future__ import annotations
 
@@ -237,3 +238,17 @@ def heal_from(diloco: Any, state: dict[str, Any]) -> None:
     diloco.residuals = [None] * len(diloco.params)
     diloco.pending = None
     diloco.reset_compressors()
+
+
+def check_replicas_part(part: object, params: list[Tensor]) -> tuple[list[Tensor], dict[str, int]]:
+    """A checkpoint's ``["diloco"]["replicas"]`` (the manager's step and this replica's params), checked
+    before anything is loaded: ``(params, manager_state)``."""
+    if not isinstance(part, dict) or "params" not in part or "step" not in part:
+        raise ValueError("state_dict: diloco 'replicas' must hold the manager's 'step' and this replica's "
+                         "'params' (a checkpoint of DiLoCo with a manager)")
+    saved = part["params"]
+    if not isinstance(saved, (list, tuple)) or len(saved) != len(params) or any(
+            not isinstance(t, Tensor) or t.shape != p.shape or t.dtype != p.dtype for t, p in zip(saved, params)):
+        raise ValueError(f"state_dict: diloco 'replicas' 'params' must be {len(params)} tensors shaped and typed "
+                         "like the optimizer's params")
+    return list(saved), {k: int(v) for k, v in part.items() if k != "params"}

@@ -10,6 +10,9 @@
   registered as ``"powersgd"``, ``"topk"``, ``"randomk"``, ``"sign_sgd"``, ``"decentralized"``, ``"fp16_compress"``.
 * :class:`DiLoCoStrategy`, :class:`StreamingDiLoCoStrategy` (``_diloco.py``), ``"diloco"``,
   ``"streaming_diloco"``: the optimizer wrapped in :class:`lightning_optim.DiLoCo`, no gradient all-reduce.
+* :class:`FTDiLoCoStrategy`, :class:`FTDDPStrategy` (``_ft.py``), ``"ft_diloco"``, ``"ft_ddp"``: one process per
+  replica group on torchft (``lightning_optim.fault_tolerance``): DiLoCo or per-step data parallelism across the
+  replicas alive, a dead replica costing one exchange.
 * :class:`OnebitFSDPStrategy` (``_fsdp.py``), ``"onebit_fsdp"``: Lightning's FSDP2 strategy on a
   (replicate, shard) mesh with 1-bit Adam across the replicas (:func:`lightning_optim.onebit.onebit_fsdp`).
 * :class:`CommTelemetry` (``callbacks.py``): ``comm/*`` metrics per step; :class:`ConsensusTelemetry`:
@@ -33,7 +36,7 @@ require("lightning", "lightning_optim.lightning (the Lightning strategies, plugi
 
 __all__ = ["OnebitAdamStrategy", "ZeroOneAdamStrategy", "OnebitLambStrategy", "PowerSGDStrategy", "TopKStrategy",
            "RandomKStrategy", "SignSGDStrategy", "DecentralizedStrategy", "FP16CompressStrategy", "OnebitFSDPStrategy",
-           "DiLoCoStrategy", "StreamingDiLoCoStrategy", "CommTelemetry", "ConsensusTelemetry",
+           "DiLoCoStrategy", "StreamingDiLoCoStrategy", "FTDiLoCoStrategy", "FTDDPStrategy", "CommTelemetry", "ConsensusTelemetry",
            "to_onebit", "MasterWeightsPrecision", "KahanPrecision", "GradientRelease"]
 
 _WHERE = {
@@ -49,6 +52,8 @@ _WHERE = {
     "OnebitFSDPStrategy": "strategies",
     "DiLoCoStrategy": "strategies",
     "StreamingDiLoCoStrategy": "strategies",
+    "FTDiLoCoStrategy": "strategies",
+    "FTDDPStrategy": "strategies",
     "ConsensusTelemetry": "strategies",
     "CommTelemetry": "callbacks",
     "to_onebit": "convert",

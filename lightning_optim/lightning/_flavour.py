@@ -18,6 +18,7 @@ from lightning_optim.lightning._comm_hook_strategies import (
 )
 from lightning_optim.lightning._diloco import _DiLoCoMixin, _StreamingDiLoCoMixin
 from lightning_optim.lightning._fsdp import _OnebitFSDPMixin
+from lightning_optim.lightning._ft import _FTDDPMixin, _FTDiLoCoMixin
 
 __all__ = ["MIXINS", "build"]
 
@@ -28,6 +29,7 @@ MIXINS: dict[str, type] = {
     "RandomKStrategy": _RandomKMixin, "SignSGDStrategy": _SignSGDMixin, "FP16CompressStrategy": _FP16CompressMixin,
     "DecentralizedStrategy": _DecentralizedMixin, "OnebitFSDPStrategy": _OnebitFSDPMixin,
     "DiLoCoStrategy": _DiLoCoMixin, "StreamingDiLoCoStrategy": _StreamingDiLoCoMixin,
+    "FTDiLoCoStrategy": _FTDiLoCoMixin, "FTDDPStrategy": _FTDDPMixin,
 }
 
 

@@ -11,6 +11,7 @@ Every wait is bounded and names what it waited for.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -35,16 +36,21 @@ def read_events(path: Path) -> list[dict]:
 class Replicas:
     """Launch replica processes (``replica.py``) against one Lighthouse."""
 
-    def __init__(self, workdir: Path, *, lighthouse_min: int = 1, timeout: float = 120.0, **options) -> None:
+    def __init__(self, workdir: Path, *, lighthouse_min: int = 1, timeout: float = 120.0, lighthouse: str | None = None,
+                 **options) -> None:
+        """``lighthouse``: the address of a Lighthouse already running (else one starts in this process)."""
         self.workdir, self.timeout, self.options = Path(workdir), timeout, options
-        self.lighthouse_min = lighthouse_min
+        self.lighthouse_min, self.lighthouse_address = lighthouse_min, lighthouse
+        self.lighthouse = None
         self.procs: dict[str, subprocess.Popen] = {}
         self.events: dict[str, Path] = {}
         self.started = time.monotonic()
 
     def __enter__(self) -> Replicas:
-        self.lighthouse = fault_tolerance.local_lighthouse(min_replicas=self.lighthouse_min, join_timeout_ms=1000,
-                                                           heartbeat_timeout_ms=2000)
+        if self.lighthouse_address is None:
+            self.lighthouse = fault_tolerance.local_lighthouse(min_replicas=self.lighthouse_min, join_timeout_ms=1000,
+                                                               heartbeat_timeout_ms=2000)
+            self.lighthouse_address = self.lighthouse.address()
         return self
 
     def __exit__(self, *exc) -> None:
@@ -52,7 +58,8 @@ class Replicas:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait(10)
-        self.lighthouse.shutdown()
+        if self.lighthouse is not None:
+            self.lighthouse.shutdown()
 
     def start(self, *replicas: str, only: dict[str, dict] | None = None, **options) -> None:
         """Launch ``replicas`` together: each waits for the others' processes before it joins. ``only``: extra
@@ -63,15 +70,17 @@ class Replicas:
             self.launch(replica, start_with=len(replicas), start_dir=start_dir, **options,
                         **(only or {}).get(replica, {}))
 
-    def launch(self, replica: str, *extra: str, prefix: list[str] | None = None, **options) -> str:
-        """Start replica ``replica`` (again); returns its launch name."""
+    def launch(self, replica: str, *extra: str, prefix: list[str] | None = None, env: dict[str, str] | None = None,
+               **options) -> str:
+        """Start replica ``replica`` (again); returns its launch name. ``prefix``: a command it runs under
+        (``ip netns exec NS``); ``env``: variables added to its environment."""
         name, n = replica, 0
         while name in self.procs:
             n += 1
             name = f"{replica}#{n}"
         events = self.workdir / f"{name}.jsonl"
         merged = {**self.options, **options}
-        argv = [sys.executable, str(REPLICA), "--replica", replica, "--lighthouse", self.lighthouse.address(),
+        argv = [sys.executable, str(REPLICA), "--replica", replica, "--lighthouse", self.lighthouse_address,
                 "--events", str(events)]
         for key, value in merged.items():
             flag = "--" + key.replace("_", "-")
@@ -79,7 +88,7 @@ class Replicas:
                 argv.append(flag)
             elif value not in (None, False):
                 argv += [flag, str(value)]
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "RUST_LOG": "warn"}
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "RUST_LOG": "warn", **(env or {})}
         with open(self.workdir / f"{name}.log", "w") as log:  # the child keeps its own copy of the descriptor
             self.procs[name] = subprocess.Popen([*(prefix or []), *argv, *extra], cwd=ROOT, env=env, stdout=log,
                                                 stderr=subprocess.STDOUT, start_new_session=True)
@@ -131,3 +140,27 @@ def committed_checksums(runs: dict[str, list[dict]]) -> dict[int, set[int]]:
         for event in events:
             seen.setdefault(event["s"], set()).add(event["crc"])
     return seen
+
+
+def check_run(runs: dict[str, list[dict]], steps: int) -> dict[str, float]:
+    """What every fault-tolerant run must show, whatever failed: every launch that finished stepped through
+    every inner step to ``steps`` and evaluated; every committed step is held with one set of global params
+    by every launch that reached it (an exchange is applied whole or not at all); every finished launch ends
+    with the same params. Returns each finished launch's evaluation loss and its longest pause between steps."""
+    committed = committed_checksums(runs)
+    split = {s: len(crcs) for s, crcs in committed.items() if len(crcs) > 1}
+    assert not split, f"committed steps held with different global params: {split}"
+    finished = {name: events for name, events in runs.items() if events and events[-1].get("done")}
+    assert finished, "no launch finished"
+    ends = set()
+    out = {}
+    for name, events in finished.items():
+        steps_seen = [e["t"] for e in events if "loss" in e]
+        first = events[0]["t"]
+        assert steps_seen == list(range(first + 1, steps + 1)), f"{name} skipped or repeated inner steps"
+        ends.add(events[-1]["params"])
+        times = [e["time"] for e in events]
+        out[name] = {"eval": events[-1]["eval"], "longest_pause_s": max(b - a for a, b in itertools.pairwise(times)),
+                     "joined_at": first, "discarded": events[-1]["discarded"]}
+    assert len(ends) == 1, f"the finished launches end with different params: {out}"
+    return out
