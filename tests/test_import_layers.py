@@ -14,6 +14,7 @@ PACKAGES = ("lightning_optim", "accel_plugins")
 # catalogue.py names classes by import path only (a leaf anyone may read); renames.py (old names, ignored
 # arguments) and extras.py (which extra installs which framework) import the standard library only
 FLOORS = {"catalogue": 0, "renames": 0, "extras": 0, "ops": 0, "optim": 1, "comm": 2, "precision": 3, "distributed": 3, "onebit": 4,
+          "fault_tolerance": 4,
           "lightning": 5}
 TOP = 6  # the training job, config checks, the root package and accel_plugins
 

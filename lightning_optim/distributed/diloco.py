@@ -81,16 +81,11 @@ from lightning_optim.comm.agreement import agree, fingerprint, layout_signature
 from lightning_optim.comm.dense import world_size
 from lightning_optim.comm.timeouts import check_process_group
 from lightning_optim.optim.hooks import init_wrapper_hooks, load_with_hooks, state_dict_with_hooks
-from lightning_optim.optim.validation import check_flag, check_int, check_positive, check_unit_interval
 
-from .agreement import bits_float, float_bits
-from .centralized import GenericCentralizedOptimizer
-from .communicating import CommunicatingOptimizer
-from .compressed_checks import check_distinct_params, check_float_params
-from .decentralized import DecentralizedSGD
+from .agreement import float_bits
+from .diloco_checks import check_diloco_arguments, check_inner, check_settings, compressor_code, show
 from .diloco_end import apart_message, first_sync_after, fragments_apart, no_sync_message, settled_by_schedule
 from .diloco_exchange import (
-    COMPRESSORS,
     Exchange,
     broadcast_global_,
     keeps_own_errors,
@@ -100,11 +95,10 @@ from .diloco_exchange import (
 from .diloco_replicas import (
     ReplicaExchange,
     ReplicaRounds,
+    ReplicaSteps,
     Round,
     check_manager,
     check_replicas_part,
-    heal_from,
-    healing_state,
 )
 from .diloco_schedule import fragment_bounds, outer_step_, pseudo_gradients, syncing_fragment, take_global_
 from .diloco_state import check_section
@@ -117,86 +111,9 @@ ARGUMENTS = ("inner", "params", "sync_every", "fragments", "outer_lr", "outer_mo
 _FIELDS = ("sync_every", "fragments", "overlap", "nesterov", "outer_lr", "outer_momentum", "mixing", "compressor",
            "final_sync", "params", "elements", "shapes")
 _WIDENED = (torch.float16, torch.bfloat16)  # their global copy, momentum and residuals are fp32
-DEFAULT_MIXING = 0.5
 
 
-def _check_inner(inner: object) -> list[Tensor]:
-    if not isinstance(inner, torch.optim.Optimizer):
-        raise TypeError(f"inner must be a torch.optim.Optimizer over the model's params (ours or torch's), got "
-                        f"{type(inner).__name__}")
-    if isinstance(inner, DiLoCo):
-        raise TypeError("inner: a DiLoCo cannot wrap another DiLoCo; wrap its inner optimizer")
-    if isinstance(inner, (CommunicatingOptimizer, GenericCentralizedOptimizer, DecentralizedSGD)):
-        raise ValueError(f"inner: {type(inner).__name__} communicates at every step; DiLoCo needs a local optimizer "
-                         "(e.g. lightning_optim.AdamW or torch.optim.AdamW) and does the communication itself")
-    if getattr(inner, "gradient_release", False):
-        raise ValueError("inner: under gradient release the inner step runs inside backward, outside DiLoCo.step(); "
-                         "use it without prepare_for_gradient_release")
-    params = [p for group in inner.param_groups for p in group["params"]]
-    check_distinct_params(params)
-    check_float_params(params)
-    return params
-
-
-def _check_settings(params: list[Tensor], sync_every: object, fragments: object, outer_lr: object,
-                    outer_momentum: object, nesterov: object, overlap: object, mixing: object,
-                    final_sync: object) -> dict[str, Any]:
-    settings = check_diloco_arguments(sync_every, fragments, outer_lr, outer_momentum, nesterov, overlap, mixing,
-                                      final_sync)
-    if settings["fragments"] > len(params):
-        raise ValueError(f"fragments must be in [1, {len(params)}] (the inner optimizer's {len(params)} params, one "
-                         f"at least per fragment), got {settings['fragments']}")
-    return settings
-
-
-def check_diloco_arguments(sync_every: object, fragments: object = 1, outer_lr: object = 0.7,
-                           outer_momentum: object = 0.9, nesterov: object = True, overlap: object = False,
-                           mixing: object = None, final_sync: object = True) -> dict[str, Any]:
-    """The checks of :class:`DiLoCo`'s arguments that need no params (for adapters that wrap an optimizer
-    later): the settings with ``mixing`` resolved, or ``TypeError``/``ValueError`` naming the argument."""
-    sync_every = check_int("sync_every", sync_every, 1)
-    fragments = check_int("fragments", fragments, 1)
-    if fragments > sync_every or sync_every % fragments:
-        raise ValueError(f"fragments must divide sync_every={sync_every} (one fragment every sync_every/fragments "
-                         f"steps), so lie in [1, {sync_every}], got {fragments}")
-    outer_lr = check_positive("outer_lr", outer_lr)
-    outer_momentum = check_unit_interval("outer_momentum", outer_momentum)
-    check_flag("nesterov", nesterov)
-    if nesterov and outer_momentum == 0:
-        raise ValueError("nesterov=True needs outer_momentum in (0, 1), got 0.0 (or pass nesterov=False)")
-    check_flag("overlap", overlap)
-    if mixing is not None:
-        if not overlap:
-            raise ValueError(f"mixing={mixing!r} is only used with overlap=True (without overlap every rank takes "
-                             "the global params); leave it None")
-        mixing = check_unit_interval("mixing", mixing, closed_right=True)
-    elif overlap:
-        mixing = DEFAULT_MIXING
-    check_flag("final_sync", final_sync)
-    return dict(sync_every=sync_every, fragments=fragments, outer_lr=outer_lr, outer_momentum=outer_momentum,
-                nesterov=nesterov, overlap=overlap, mixing=mixing, final_sync=final_sync)
-
-
-def _compressor_code(name: str) -> int:
-    """0: none; 1 + i: the i-th name of ``COMPRESSORS``; else a checksum of the instance's class name."""
-    names = ["none", *COMPRESSORS]
-    return names.index(name) if name in names else fingerprint([name]) + len(names)
-
-
-def _show(field: str, value: int) -> str:
-    """A differing value of the construction agreement as a person reads it."""
-    if field in ("outer_lr", "outer_momentum", "mixing"):
-        number = bits_float(value)
-        return "None" if field == "mixing" and number == -1.0 else repr(number)
-    if field == "compressor":
-        names = ["none", *COMPRESSORS]
-        return repr(names[value]) if value < len(names) else f"a Compressor instance (class checksum {value:x})"
-    if field == "shapes":
-        return f"checksum {value & 0xFFFFFFFF:08x}"
-    return repr(bool(value)) if field in ("overlap", "nesterov", "final_sync") else str(value)
-
-
-class DiLoCo(torch.optim.Optimizer):
+class DiLoCo(ReplicaSteps, torch.optim.Optimizer):
     """DiLoCo / Streaming DiLoCo over ``inner`` (see the module docstring for the equations).
 
     Args:
@@ -244,21 +161,21 @@ class DiLoCo(torch.optim.Optimizer):
             check_manager(manager)
         error, row = None, None
         try:
-            params = _check_inner(inner)
-            settings = _check_settings(params, sync_every, fragments, outer_lr, outer_momentum, nesterov, overlap,
+            params = check_inner(inner, DiLoCo)
+            settings = check_settings(params, sync_every, fragments, outer_lr, outer_momentum, nesterov, overlap,
                                        mixing, final_sync)
             compressor_name, prototype = resolve_compressor(compressor)
             row = {**{k: int(settings[k]) for k in ("sync_every", "fragments", "overlap", "nesterov", "final_sync")},
                    "outer_lr": float_bits(settings["outer_lr"]),
                    "outer_momentum": float_bits(settings["outer_momentum"]),
                    "mixing": float_bits(-1.0 if settings["mixing"] is None else settings["mixing"]),
-                   "compressor": _compressor_code(compressor_name), "params": len(params),
+                   "compressor": compressor_code(compressor_name), "params": len(params),
                    "elements": sum(p.numel() for p in params), "shapes": fingerprint(layout_signature(params))}
         except (TypeError, ValueError) as exc:
             error = exc
         # every rank checked its own arguments; now all raise, or none does
         agree(type(self).__name__, _FIELDS, row, group=process_group, like=[] if error else params, error=error,
-              arguments=ARGUMENTS, show=_show)
+              arguments=ARGUMENTS, show=show)
         init_wrapper_hooks(self)  # torch's step hooks and profiler label, as Optimizer.__init__ does
         self.inner = inner
         self.process_group = process_group
@@ -337,17 +254,6 @@ class DiLoCo(torch.optim.Optimizer):
         self.replicas.open(Round(t, fragment, final))
         return self._start_in_round(self.replicas, fragment, t, final)
 
-    def _start_in_round(self, replicas: ReplicaRounds, fragment: int, t: int, final: bool) -> ReplicaExchange:
-        lo, hi = self.bounds[fragment]
-        residuals = [None if e is None else e.clone() for e in self.residuals[lo:hi]]
-        compressor = copy.deepcopy(self.compressors[fragment])
-
-        def restore() -> None:  # the exchange is discarded: its error feedback never happened
-            self.residuals[lo:hi] = residuals
-            self.compressors[fragment] = compressor
-
-        return replicas.start(lambda group: self._exchange(fragment, t, final, group), restore)
-
     def _finish_exchange(self, fragment: int, exchange: Exchange | ReplicaExchange, mixing: float | None) -> None:
         if isinstance(exchange, ReplicaExchange):
             averaged = exchange.rounds.close(exchange)
@@ -355,34 +261,6 @@ class DiLoCo(torch.optim.Optimizer):
                 self._merge(fragment, averaged, mixing)
         else:
             self._merge(fragment, exchange.result(), mixing)
-
-    def _join(self, replicas: ReplicaRounds) -> None:
-        """Join the replicas (construction with a manager): a quorum; a replica healed in it takes part in the
-        round its peers are in, with weight 0."""
-        replicas.open(Round(self.inner_steps, None))
-        round_ = replicas.round
-        if not replicas.healed or round_ is None or round_.fragment is None:
-            replicas.manager.should_commit()
-            return
-        with torch.no_grad():
-            exchange = self._start_in_round(replicas, round_.fragment, round_.step, round_.final)
-            if self.overlap and not round_.final:
-                self.pending = (round_.fragment, round_.step + 1, exchange)
-            else:
-                self._finish_exchange(round_.fragment, exchange, None)
-
-    # ------------------------------------------------------------------ healing (manager=)
-    def healing_state(self) -> dict[str, Any]:
-        """What a healing replica takes from this one (not copied: the caller copies)."""
-        return healing_state(self)
-
-    def take_healing_state(self, state: dict[str, Any]) -> None:
-        """Take a healthy peer's state (see ``diloco_replicas.py``)."""
-        heal_from(self, state)
-
-    def reset_compressors(self) -> None:
-        """The compressors' own state back to its initial, seeded one (the replicas changed)."""
-        self.compressors = [None if self._prototype is None else copy.deepcopy(self._prototype) for _ in self.bounds]
 
     def _exchange(self, fragment: int, t: int, final: bool, group: Any) -> Exchange:
         lo, hi = self.bounds[fragment]
@@ -449,7 +327,7 @@ class DiLoCo(torch.optim.Optimizer):
                 return bool(apart)
             apart = fragments_apart(self.params, self.global_params, self.bounds, self.process_group)
             for fragment in apart:
-                self._merge(fragment, self._start(fragment, t, final=True).result(), None)
+                self._finish_exchange(fragment, self._start(fragment, t, final=True), None)
         return bool(apart)
 
     # ------------------------------------------------------------------ checkpoints

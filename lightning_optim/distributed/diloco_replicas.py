@@ -47,7 +47,7 @@ from torch import Tensor
 
 from lightning_optim.comm.stats import comm_stats, ring_allreduce_bytes
 
-__all__ = ["ReplicaRounds", "Round", "check_manager", "STATE_KEY"]
+__all__ = ["ReplicaRounds", "ReplicaSteps", "Round", "check_manager", "check_replicas_part", "STATE_KEY"]
 
 STATE_KEY = "lightning_optim.DiLoCo"  # the name DiLoCo's state goes by in the manager's healing checkpoint
 
@@ -211,33 +211,86 @@ class ReplicaRounds:
         return averaged if scale == 1.0 else [a * scale for a in averaged]
 
 
-def healing_state(diloco: Any) -> dict[str, Any]:
-    """What a healing replica takes from ``diloco``: its global params, outer momentum, inner step count and the
-    inner optimizer's state (the caller copies)."""
-    return {"step": diloco.inner_steps, "global_params": list(diloco.global_params),
-            "outer_momentum": list(diloco.outer_momenta), "inner": diloco.inner.state_dict()}
+class ReplicaSteps:
+    """DiLoCo's side of the rounds (mixed into :class:`~lightning_optim.distributed.diloco.DiLoCo`): joining the
+    replicas, an exchange inside an open round, and the healing state."""
 
+    # DiLoCo's, which these methods use
+    bounds: list[tuple[int, int]]
+    params: list[Tensor]
+    global_params: list[Tensor]
+    outer_momenta: list[Tensor]
+    residuals: list[Tensor | None]
+    compressors: list[Any]
+    _prototype: Any
+    inner: torch.optim.Optimizer
+    inner_steps: int
+    overlap: bool
+    pending: tuple[int, int, Any] | None
 
-def heal_from(diloco: Any, state: dict[str, Any]) -> None:
-    """Take a healthy peer's ``state`` (``healing_state``): its global params become this replica's params too;
-    residuals start at zero, the compressors from their initial state."""
-    for key, mine in (("global_params", diloco.global_params), ("outer_momentum", diloco.outer_momenta)):
-        theirs = state[key]
-        if len(theirs) != len(mine) or any(a.shape != b.shape or a.dtype != b.dtype for a, b in zip(theirs, mine)):
-            raise ValueError(f"DiLoCo: the healing peer's {key} do not match this replica's (was every replica "
-                             "launched with the same model and DiLoCo arguments?)")
-    with torch.no_grad():
-        for mine, theirs in zip(diloco.global_params, state["global_params"]):
-            mine.copy_(theirs)
-        for mine, theirs in zip(diloco.outer_momenta, state["outer_momentum"]):
-            mine.copy_(theirs)
-        for p, g in zip(diloco.params, diloco.global_params):
-            p.copy_(g)
-    diloco.inner.load_state_dict(state["inner"])
-    diloco.inner_steps = int(state["step"])
-    diloco.residuals = [None] * len(diloco.params)
-    diloco.pending = None
-    diloco.reset_compressors()
+    def _exchange(self, fragment: int, t: int, final: bool, group: Any) -> Any:
+        raise NotImplementedError
+
+    def _finish_exchange(self, fragment: int, exchange: Any, mixing: float | None) -> None:
+        raise NotImplementedError
+
+    def _start_in_round(self, replicas: ReplicaRounds, fragment: int, t: int, final: bool) -> ReplicaExchange:
+        lo, hi = self.bounds[fragment]
+        residuals = [None if e is None else e.clone() for e in self.residuals[lo:hi]]
+        compressor = copy.deepcopy(self.compressors[fragment])
+
+        def restore() -> None:  # the exchange is discarded: its error feedback never happened
+            self.residuals[lo:hi] = residuals
+            self.compressors[fragment] = compressor
+
+        return replicas.start(lambda group: self._exchange(fragment, t, final, group), restore)
+
+    def _join(self, replicas: ReplicaRounds) -> None:
+        """Join the replicas (construction with a manager): a quorum; a replica healed in it takes part in the
+        round its peers are in, with weight 0."""
+        replicas.open(Round(self.inner_steps, None))
+        round_ = replicas.round
+        if not replicas.healed or round_ is None or round_.fragment is None:
+            replicas.manager.should_commit()
+            return
+        with torch.no_grad():
+            exchange = self._start_in_round(replicas, round_.fragment, round_.step, round_.final)
+            if self.overlap and not round_.final:
+                self.pending = (round_.fragment, round_.step + 1, exchange)
+            else:
+                self._finish_exchange(round_.fragment, exchange, None)
+
+    def healing_state(self) -> dict[str, Any]:
+        """What a healing replica takes from this one: the global params, outer momentum, inner step count and
+        the inner optimizer's state (not copied: the rounds copy it)."""
+        return {"step": self.inner_steps, "global_params": list(self.global_params),
+                "outer_momentum": list(self.outer_momenta), "inner": self.inner.state_dict()}
+
+    def take_healing_state(self, state: dict[str, Any]) -> None:
+        """Take a healthy peer's ``healing_state``: its global params become this replica's params too;
+        residuals start at zero, the compressors from their initial state."""
+        for key, ours in (("global_params", self.global_params), ("outer_momentum", self.outer_momenta)):
+            theirs = state[key]
+            if len(theirs) != len(ours) or any(a.shape != b.shape or a.dtype != b.dtype for a, b in zip(theirs, ours)):
+                raise ValueError(f"DiLoCo: the healing peer's {key} do not match this replica's (was every replica "
+                                 "launched with the same model and DiLoCo arguments?)")
+        with torch.no_grad():
+            for g, peer in zip(self.global_params, state["global_params"]):
+                g.copy_(peer)
+            for b, peer in zip(self.outer_momenta, state["outer_momentum"]):
+                b.copy_(peer)
+            for p, g in zip(self.params, self.global_params):
+                p.copy_(g)
+        self.inner.load_state_dict(state["inner"])
+        self.inner_steps = int(state["step"])
+        self.residuals = [None] * len(self.params)
+        self.pending = None
+        self.reset_compressors()
+
+    def reset_compressors(self) -> None:
+        """The compressors' own state back to its initial, seeded one (the replicas changed)."""
+        self.compressors = [None if self._prototype is None else copy.deepcopy(self._prototype) for _ in self.bounds]
+
 
 
 def check_replicas_part(part: object, params: list[Tensor]) -> tuple[list[Tensor], dict[str, int]]:

@@ -64,7 +64,7 @@ def _refuse_communicating(optimizer: object) -> None:
 
 def _hook_dtype(comm_hook: object) -> torch.dtype | None:
     if comm_hook in HOOKS:
-        return HOOKS[comm_hook]  # type: ignore[index]
+        return HOOKS[comm_hook]
     if isinstance(comm_hook, str) and comm_hook in _REFUSED_HOOKS:
         raise ValueError(f"comm_hook={comm_hook!r} cannot run on torchft's replicas: {_REFUSED_HOOKS[comm_hook]}; "
                          f"use one of {sorted(k for k in HOOKS if k)} or None")
@@ -75,7 +75,7 @@ def _average_hook(dtype: torch.dtype | None) -> Callable[[Any, Any], torch.futur
     """A DDP comm hook: the bucket averaged over the manager's replicas (sent as ``dtype`` when given)."""
 
     # unannotated: DDP checks a hook's annotations against its own classes, which postponed annotations are not
-    def hook(manager, bucket):  # type: ignore[no-untyped-def]
+    def hook(manager, bucket):
         buffer = bucket.buffer()
         sent = buffer if dtype is None else buffer.to(dtype)
         work = manager.allreduce(sent, reduce_op=torch.distributed.ReduceOp.SUM)
