@@ -25,6 +25,7 @@ PUBLIC_MODULES = [
     "lightning_optim.optim",
     "lightning_optim.onebit",
     "lightning_optim.distributed",
+    "lightning_optim.fault_tolerance",
     "lightning_optim.comm",
     "lightning_optim.comm.compressors",
     "lightning_optim.comm.ddp_hooks",
