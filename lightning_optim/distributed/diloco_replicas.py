@@ -143,18 +143,28 @@ class ReplicaRounds:
                               f"(asking every {self.poll_s:.1f}s)", RuntimeWarning, stacklevel=3)
             self.waits += 1
             time.sleep(self.poll_s)
-        group = manager._pg.parent if hasattr(manager._pg, "parent") else manager._pg
-        if group is not self.group:
+        group = self._quorum_group()
+        if group is not None and group is not self.group:
             if self.group is not None or self.healed:
                 self.owner.reset_compressors()
             self.group = group
         return group
 
+    def _quorum_group(self) -> Any:
+        """The process group the manager configured for this quorum (None when that failed: reported)."""
+        pg = self.manager._pg
+        try:
+            return pg.parent if hasattr(pg, "parent") else pg  # torchft's wrapper holds the group of the quorum
+        except Exception as exc:  # noqa: BLE001 - a quorum whose group could not be made: the round fails
+            self.manager.report_error(exc)
+            return None
+
     def _sum_weights(self) -> Tensor | None:
         """All-reduce this replica's weight (0 when it was healed in this quorum: it holds no progress of its
         own); None when that failed (reported to the manager)."""
-        pg = self.manager._pg
-        group = pg.parent if hasattr(pg, "parent") else pg
+        group = self._quorum_group()
+        if group is None:
+            return None
         weights = torch.tensor([0.0 if self.healed else 1.0], dtype=torch.float64)
         try:
             dist.all_reduce(weights, group=group)
@@ -168,9 +178,9 @@ class ReplicaRounds:
         """Start DiLoCo's exchange ``begin(group)`` in the open round; a failure is reported to the manager
         (the round then cannot commit on this replica)."""
         group, weights = self.group, self.weights
+        if weights is None or group is None:
+            return ReplicaExchange(self, None, None, 1, restore)
         world = group.size()
-        if weights is None:
-            return ReplicaExchange(self, None, None, world, restore)
         try:
             inner = begin(group)
         except Exception as exc:  # noqa: BLE001
