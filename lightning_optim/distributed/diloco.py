@@ -262,12 +262,18 @@ class DiLoCo(ReplicaSteps, torch.optim.Optimizer):
         else:
             self._merge(fragment, exchange.result(), mixing)
 
-    def _exchange(self, fragment: int, t: int, final: bool, group: Any) -> Exchange:
+    def _exchange(self, fragment: int, t: int, final: bool, group: Any, zero: bool = False) -> Exchange:
+        """Start averaging fragment ``fragment``'s pseudo-gradients over ``group`` (``zero``: this replica sends
+        zero, without its error feedback)."""
         lo, hi = self.bounds[fragment]
         deltas = pseudo_gradients(self.global_params[lo:hi], self.params[lo:hi])
+        if zero:
+            deltas = [torch.zeros_like(d) for d in deltas]
         compressor = self.compressors[fragment]
+        if zero and keeps_own_errors(compressor):  # its own error buffers would send what this replica owes
+            compressor = copy.deepcopy(self._prototype)
         residuals: list[Tensor] | None = None
-        if compressor is not None and not keeps_own_errors(compressor) and world_size(group) > 1:
+        if compressor is not None and not keeps_own_errors(compressor) and world_size(group) > 1 and not zero:
             residuals = []
             for i in range(lo, hi):
                 residual = self.residuals[i]

@@ -10,9 +10,9 @@ exchange of a fragment is one round of the manager:
    a healthy peer: global params, outer momentum, the inner step count, the inner optimizer's state, and
    the round in progress; its params become the global params.
 2. **exchange**: each replica's pseudo-gradient goes through DiLoCo's usual exchange (every compressor) over
-   the manager's current group; a replica healed in this round holds no progress of its own and contributes
-   :math:`\Delta = 0` with weight 0. The weights are summed in one small all-reduce so that the average is
-   over the replicas that trained:
+   the manager's current group; a replica healed in this round holds no progress of its own, and one whose
+   healing failed holds stale params: both contribute :math:`\Delta = 0` with weight 0. The weights are
+   summed in one small all-reduce so that the average is over the replicas that trained:
    :math:`\bar\Delta = \tfrac{1}{\sum_r w_r}\sum_r w_r \Delta_r` (the exchange's mean times
    :math:`W / \sum_r w_r`).
 3. **commit** (``manager.should_commit()``): every replica of the round decides; any failure (a replica that
@@ -101,6 +101,7 @@ class ReplicaRounds:
         self.group: Any = None  # the process group of the last quorum (a new one: the replicas changed)
         self.round: Round | None = None
         self.healed = False
+        self.contributes = True  # whether this replica's pseudo-gradient counts in the open round
         self.weights: Tensor | None = None  # the open round's sum of weights
         self.rounds_discarded = 0
         self.waits = 0
@@ -133,6 +134,9 @@ class ReplicaRounds:
         manager = self.manager
         while True:
             manager.start_quorum()
+            # a replica healed in this quorum has no progress of its own; one whose healing failed holds stale
+            # params: both send zero with weight 0 (the failed one cannot commit, its peers can)
+            self.contributes = not self.healed and manager.errored() is None
             self.weights = self._sum_weights()
             if manager.num_participants() >= self.min_replicas:
                 break
@@ -165,7 +169,7 @@ class ReplicaRounds:
         group = self._quorum_group()
         if group is None:
             return None
-        weights = torch.tensor([0.0 if self.healed else 1.0], dtype=torch.float64)
+        weights = torch.tensor([1.0 if self.contributes else 0.0], dtype=torch.float64)
         try:
             dist.all_reduce(weights, group=group)
         except Exception as exc:  # noqa: BLE001 - every failure of a round is the manager's to decide
@@ -238,7 +242,7 @@ class ReplicaSteps:
     overlap: bool
     pending: tuple[int, int, Any] | None
 
-    def _exchange(self, fragment: int, t: int, final: bool, group: Any) -> Any:
+    def _exchange(self, fragment: int, t: int, final: bool, group: Any, zero: bool = False) -> Any:
         raise NotImplementedError
 
     def _finish_exchange(self, fragment: int, exchange: Any, mixing: float | None) -> None:
@@ -253,7 +257,8 @@ class ReplicaSteps:
             self.residuals[lo:hi] = residuals
             self.compressors[fragment] = compressor
 
-        return replicas.start(lambda group: self._exchange(fragment, t, final, group), restore)
+        zero = not replicas.contributes
+        return replicas.start(lambda group: self._exchange(fragment, t, final, group, zero=zero), restore)
 
     def _join(self, replicas: ReplicaRounds) -> None:
         """Join the replicas (construction with a manager): a quorum; a replica healed in it takes part in the

@@ -18,6 +18,8 @@ import weakref
 from datetime import timedelta
 from typing import Any
 
+import torch
+
 from lightning_optim.optim.validation import check_int, check_positive
 
 __all__ = ["LIGHTHOUSE_ENV", "local_lighthouse", "replica_manager", "require_torchft"]
@@ -83,6 +85,7 @@ def replica_manager(*, replica_id: str, min_replica_size: int = 1, lighthouse: s
                          "`torchft_lighthouse --min_replicas 1` or lightning_optim.fault_tolerance.local_lighthouse()")
     require_torchft()
     from torch.distributed import TCPStore
+    from torchft.checkpointing.pg_transport import PGTransport
     from torchft.manager import Manager
     from torchft.process_group import ProcessGroupGloo
 
@@ -95,7 +98,11 @@ def replica_manager(*, replica_id: str, min_replica_size: int = 1, lighthouse: s
         store = TCPStore(store_host, 0, is_master=True, wait_for_workers=False)
         store_port = store.port
     timeout = timedelta(seconds=timeout_s)
-    manager = Manager(pg=ProcessGroupGloo(timeout=timeout), load_state_dict=None, state_dict=None,
+    pg = ProcessGroupGloo(timeout=timeout)
+    # healing state travels over the quorum's own process group (the addresses the collectives use), not over
+    # HTTP to this machine's host name, which peers in other network namespaces or clusters may not resolve
+    transport = PGTransport(pg, timeout=timeout, device=torch.device("cpu"))
+    manager = Manager(pg=pg, load_state_dict=None, state_dict=None, checkpoint_transport=transport,
                       min_replica_size=min_replica_size, use_async_quorum=False, timeout=timeout,
                       quorum_timeout=timedelta(seconds=quorum_timeout_s), connect_timeout=timeout,
                       rank=rank, world_size=world, store_addr=store_host, store_port=store_port,
