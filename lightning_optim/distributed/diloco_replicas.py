@@ -50,6 +50,10 @@ from lightning_optim.comm.stats import comm_stats, ring_allreduce_bytes
 __all__ = ["ReplicaRounds", "ReplicaSteps", "Round", "check_manager", "check_replicas_part", "STATE_KEY"]
 
 STATE_KEY = "lightning_optim.DiLoCo"  # the name DiLoCo's state goes by in the manager's healing checkpoint
+# what a dead, hung or cut-off replica raises here (gloo's errors, CommunicationError and timeouts are
+# RuntimeErrors, sockets raise OSError, torchft's group asserts when its quorum could not configure it): a round
+# that meets one fails and is discarded. Anything else is a bug or bad input and propagates.
+LINK_FAILURES = (RuntimeError, TimeoutError, OSError, AssertionError)
 
 
 def check_manager(manager: object) -> None:
@@ -159,7 +163,7 @@ class ReplicaRounds:
         pg = self.manager._pg
         try:
             return pg.parent if hasattr(pg, "parent") else pg  # torchft's wrapper holds the group of the quorum
-        except Exception as exc:  # noqa: BLE001 - a quorum whose group could not be made: the round fails
+        except LINK_FAILURES as exc:  # a quorum whose group could not be made: the round fails
             self.manager.report_error(exc)
             return None
 
@@ -172,7 +176,7 @@ class ReplicaRounds:
         weights = torch.tensor([1.0 if self.contributes else 0.0], dtype=torch.float64)
         try:
             dist.all_reduce(weights, group=group)
-        except Exception as exc:  # noqa: BLE001 - every failure of a round is the manager's to decide
+        except LINK_FAILURES as exc:  # every failure of the link is the manager's to decide
             self.manager.report_error(exc)
             return None
         comm_stats().add_control(ring_allreduce_bytes(1, group.size(), 8))
@@ -187,7 +191,7 @@ class ReplicaRounds:
         world = group.size()
         try:
             inner = begin(group)
-        except Exception as exc:  # noqa: BLE001
+        except LINK_FAILURES as exc:
             self.manager.report_error(exc)
             return ReplicaExchange(self, None, None, world, restore)
         return ReplicaExchange(self, inner, weights, world, restore)
@@ -199,7 +203,7 @@ class ReplicaRounds:
         if exchange.inner is not None:
             try:
                 averaged = exchange.inner.result()
-            except Exception as exc:  # noqa: BLE001
+            except LINK_FAILURES as exc:
                 self.manager.report_error(exc)
         committed = True if exchange.agreed else self.manager.should_commit()
         if committed and averaged is not None and exchange.weights is not None and float(exchange.weights) > 0:
@@ -218,7 +222,7 @@ class ReplicaRounds:
             return None
         try:
             averaged = exchange.inner.result()
-        except Exception as exc:  # noqa: BLE001
+        except LINK_FAILURES as exc:
             self.manager.report_error(exc)
             return None
         scale = exchange.world / float(exchange.weights)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import signal
 import sys
@@ -56,14 +57,15 @@ class DiesInExchange(DiLoCo):
 
     die_after_step = -1
 
-    def _exchange(self, fragment, t, final, group):
-        exchange = super()._exchange(fragment, t, final, group)  # this replica's all-reduce is in flight
+    def _exchange(self, fragment, t, final, group, zero=False):
+        exchange = super()._exchange(fragment, t, final, group, zero=zero)  # this replica's all-reduce is in flight
         if self.replicas.manager.current_step() == self.die_after_step:
             os.kill(os.getpid(), signal.SIGKILL)
         return exchange
 
 
 def main() -> None:
+    logging.basicConfig(level=logging.WARNING)  # torchft's errors into this replica's log
     parser = argparse.ArgumentParser()
     parser.add_argument("--replica", required=True)
     parser.add_argument("--lighthouse", required=True)
