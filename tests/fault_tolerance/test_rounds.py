@@ -172,3 +172,21 @@ def test_refusals_name_the_argument_before_anything_is_built():
         ft.replica_manager(replica_id="a", lighthouse="")
     with pytest.raises(ValueError, match="min_replicas must be"):
         ft.local_lighthouse(min_replicas=0)
+
+
+def test_a_bug_in_the_exchange_propagates_instead_of_discarding_rounds():
+    class Broken(DiLoCo):
+        def _exchange(self, fragment, t, final, group, zero=False):
+            raise TypeError("a bug, not a failed link")
+
+    def replica(r, address):
+        model, manager = _model(), _manager(r, address, world=1)
+        opt = Broken(torch.optim.SGD(model.parameters(), lr=0.05), sync_every=2, manager=manager)
+        try:
+            with pytest.raises(TypeError, match="a bug, not a failed link"):
+                _train(model, opt, r, range(2))
+        finally:
+            manager.shutdown(wait=False)
+        return opt.replicas.rounds_discarded
+
+    assert _replicas(replica, world=1) == [0]
