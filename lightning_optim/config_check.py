@@ -361,6 +361,7 @@ def _strategy_conflicts(cfg: dict[str, Any], built: _Built) -> None:
     """What the 1-bit and comm-hook strategies refuse at setup (on every rank), said now."""
     from lightning_optim.lightning._base import _OnebitStrategyMixin
     from lightning_optim.lightning._comm_hook_strategies import _CommHookStrategyMixin, _communicates_itself
+    from lightning_optim.lightning._ft import _FTDDPMixin
 
     strategy = built.strategy
     # (DiLoCo's overlap is of its exchange with the next step: clipping the local gradients is untouched)
@@ -372,7 +373,7 @@ def _strategy_conflicts(cfg: dict[str, Any], built: _Built) -> None:
     if scaler_refused and _grad_scaler(cfg):
         raise ConfigError(f"precision: 16-mixed (GradScaler: each rank skips steps alone) conflicts with strategy "
                           f"{cfg['strategy']['_target_']}; use bf16-mixed, 32-true or fp16_master")
-    if isinstance(strategy, _CommHookStrategyMixin) and _communicates_itself(built.optimizer):
+    if isinstance(strategy, (_CommHookStrategyMixin, _FTDDPMixin)) and _communicates_itself(built.optimizer):
         raise ConfigError(f"optimizer: {cfg['optimizer']['_target_']} communicates by itself, and strategy "
                           f"{cfg['strategy']['_target_']} already hands it averaged gradients; use a local optimizer")
 
@@ -464,6 +465,11 @@ def _interval_fits_an_epoch(cfg: dict[str, Any], windows: int) -> None:
 def trainer_error(cfg: dict[str, Any], exc: Exception) -> ConfigError | None:
     """A ConfigError for an error of ``lightning.Trainer(...)`` that names one of its config keys, else None."""
     key = named_key([*cfg["trainer"], "precision", "strategy"], str(exc))
+    if key is not None:
+        key = key if key in ("precision", "strategy") else f"trainer.{key}"
+    else:  # an argument the strategy resolves when the Trainer is built (the ft_* replica id from the environment)
+        own = named_key([k for k in cfg["strategy"] if not k.startswith("_")], str(exc))
+        key = None if own is None else f"strategy.{own}"
     if key is None:
         return None
-    return ConfigError(f"{key if key in ('precision', 'strategy') else 'trainer.' + key}: {' '.join(str(exc).split())}")
+    return ConfigError(f"{key}: {' '.join(str(exc).split())}")

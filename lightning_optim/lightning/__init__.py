@@ -36,8 +36,8 @@ require("lightning", "lightning_optim.lightning (the Lightning strategies, plugi
 
 __all__ = ["OnebitAdamStrategy", "ZeroOneAdamStrategy", "OnebitLambStrategy", "PowerSGDStrategy", "TopKStrategy",
            "RandomKStrategy", "SignSGDStrategy", "DecentralizedStrategy", "FP16CompressStrategy", "OnebitFSDPStrategy",
-           "DiLoCoStrategy", "StreamingDiLoCoStrategy", "FTDiLoCoStrategy", "FTDDPStrategy", "CommTelemetry", "ConsensusTelemetry",
-           "to_onebit", "MasterWeightsPrecision", "KahanPrecision", "GradientRelease"]
+           "DiLoCoStrategy", "StreamingDiLoCoStrategy", "FTDiLoCoStrategy", "FTDDPStrategy", "CommTelemetry",
+           "ConsensusTelemetry", "to_onebit", "MasterWeightsPrecision", "KahanPrecision", "GradientRelease"]
 
 _WHERE = {
     "OnebitAdamStrategy": "strategies",

@@ -119,7 +119,7 @@ def _start_local(port: int, min_replicas: int) -> str:
         if server is None:
             try:
                 server = local_lighthouse(min_replicas=min_replicas, bind=f"[::]:{port}")
-            except Exception as exc:  # noqa: BLE001 - torchft says why in its own words (port taken, ...)
+            except Exception as exc:  # torchft says why in its own words (the port is taken, ...)
                 raise RuntimeError(f"lighthouse='local:{port}': could not start a Lighthouse on port {port} ({exc}); "
                                    f"if another replica hosts it, pass lighthouse='http://localhost:{port}' here") \
                     from exc
@@ -131,10 +131,12 @@ def _start_local(port: int, min_replicas: int) -> str:
         return str(server.address())
 
 
-class _ReplicaMixin(_CommFailureMixin, DDPBase):
-    """One replica group per Lightning process: its settings, its torchft ``Manager``."""
+class _ReplicaMixin(DDPBase):
+    """One replica group per Lightning process: its settings, its torchft ``Manager`` (with a strategy that owns
+    ``timeout``: ``_CommFailureMixin``)."""
 
     _manager: Any = None
+    _timeout_s: float
 
     def _init_replica(self, replica_id: str | None, min_replica_size: int, lighthouse: str | None,
                       host: str | None) -> None:
@@ -185,7 +187,7 @@ class _ReplicaMixin(_CommFailureMixin, DDPBase):
         port = _local_port(lighthouse)
         address = lighthouse if port is None else _start_local(port, self.min_replica_size)
         self._manager = replica_manager(replica_id=replica_id, min_replica_size=self.min_replica_size,
-                                        lighthouse=address, host=self.host, timeout_s=self.timeout_s)
+                                        lighthouse=address, host=self.host, timeout_s=self._timeout_s)
         self._summary = {"replica_id": replica_id, "replicas": None, "committed_step": None}
         return self._manager
 
@@ -196,9 +198,7 @@ class _ReplicaMixin(_CommFailureMixin, DDPBase):
             manager.shutdown(wait=False)
 
     def _replica_summary(self, manager: Any) -> dict[str, Any]:
-        quorum = getattr(manager, "_quorum_future", None) is not None
-        return {**self._summary, "replicas": manager.num_participants() if quorum else None,
-                "committed_step": manager.current_step()}
+        return {**self._summary, "replicas": manager.num_participants(), "committed_step": manager.current_step()}
 
     def replica_summary(self) -> dict[str, Any]:
         """This replica's view of the replicas (of the fit in progress, else of the last one): its id, the replicas
@@ -222,18 +222,23 @@ class _FTDiLoCoMixin(_ReplicaMixin, _DiLoCoMixin):
     Args:
         sync_every, outer_lr, outer_momentum, nesterov, fragments, overlap, mixing, compressor, final_sync:
             as :class:`DiLoCoStrategy` (launch every replica with the same values).
-        replica_id, lighthouse, min_replica_size, host: this replica's settings (module docstring of
-            ``lightning_optim/lightning/_ft.py``; docs/guides/fault_tolerance.md).
+        replica_id, lighthouse, min_replica_size, host: this replica's settings (see below).
         timeout: seconds a collective, commit decision or healing transfer may take (30).
         telemetry: log ``comm/*`` per step (``comm/fp32_bytes``: an fp32 ring all-reduce over the replicas of the
             last quorum).
         **kwargs: ``DDPStrategy`` arguments (of this replica's one process).
 
-    One process per replica group (``devices=1``); each replica feeds its own data. Checkpoints: each replica saves
-    its own (params, inner optimizer state, DiLoCo's state with the manager's committed step) and resumes from it.
-    """
+    One process per replica group (``devices=1``), each its own launch with its own ``replica_id``, all with the
+    same ``lighthouse``: an address (``http://host:29510``, torchft's ``torchft_lighthouse --min_replicas 1
+    --join_timeout_ms 1000``; default ``$TORCHFT_LIGHTHOUSE``) or, on one machine, ``"local"``/``"local:PORT"`` on
+    one replica (it starts the Lighthouse in its process) and ``http://localhost:PORT`` on the others. ``replica_id``
+    defaults to ``$REPLICA_ID``/``$TORCHFT_REPLICA_ID``; ``min_replica_size``: the fewest replicas a
+    synchronisation commits with; ``host``: where the others reach this replica (default: its host name).
 
-    _ft_defaults: ClassVar[dict[str, Any]] = {}
+    Each replica feeds its own data: Lightning's distributed sampler sees one process (it shuffles every epoch, as
+    under DDP, but shards nothing across replicas). Checkpoints: each replica saves its own (params, inner optimizer
+    state, DiLoCo's state with the manager's committed step and this replica's params) and resumes from it.
+    """
 
     def __init__(self, sync_every: int = 100, outer_lr: float = 0.7, outer_momentum: float = 0.9,
                  nesterov: bool = True, fragments: int | None = None, overlap: bool | None = None,
@@ -266,7 +271,7 @@ class _FTDiLoCoMixin(_ReplicaMixin, _DiLoCoMixin):
         return {**super().comm_summary(), **self.replica_summary(), "rounds_discarded": rounds}
 
 
-class _FTDDPMixin(_ReplicaMixin):
+class _FTDDPMixin(_ReplicaMixin, _CommFailureMixin):
     """Fault-tolerant data parallelism across replica groups (torchft): every optimizer step is a quorum of the
     replicas that are alive; the gradients are averaged over them
     (:func:`lightning_optim.fault_tolerance.fault_tolerant_ddp`) and the local optimizer steps only if every
@@ -276,13 +281,17 @@ class _FTDDPMixin(_ReplicaMixin):
     Args:
         comm_hook: None (the gradients' dtype), ``"fp16_compress"`` or ``"bf16_compress"`` (half the bytes).
         replica_id, lighthouse, min_replica_size, host, timeout: as :class:`FTDiLoCoStrategy`.
-        **kwargs: ``DDPStrategy`` arguments of this replica's one process (its DDP is torchft's; the comm-hook
-            ones are the strategy's).
+        **kwargs: ``DDPStrategy`` arguments of this replica's one process, not those of its DDP wrapper (the model
+            is wrapped by ``fault_tolerant_ddp``) nor the comm-hook ones (the strategy's).
 
     Any local optimizer (ours or torch's) from ``configure_optimizers``; the 1-bit and the other communicating
     optimizers are refused by name (their error feedback is tied to one fixed set of ranks). Automatic
-    optimization only; no ``precision="16-mixed"`` (GradScaler steps outside the quorum's step).
+    optimization only; no ``precision="16-mixed"`` (GradScaler steps outside the quorum's step). One process per
+    replica group and each replica's own data, as :class:`FTDiLoCoStrategy`. Checkpoints: each replica saves its
+    own; the optimizer's state carries the manager's committed step.
     """
+
+    _refuses_grad_scaler: ClassVar[bool] = True  # the main job's up-front check reads it (as the comm-hook ones')
 
     def __init__(self, comm_hook: str | None = None, replica_id: str | None = None, min_replica_size: int = 1,
                  lighthouse: str | None = None, host: str | None = None,
@@ -302,6 +311,11 @@ class _FTDDPMixin(_ReplicaMixin):
         self._init_replica(replica_id, min_replica_size, lighthouse, host)
         self.comm_hook = comm_hook
         super().__init__(timeout=self._init_timeout(timeout), **kwargs)
+        ddp_kwargs = sorted(getattr(self, "_ddp_kwargs", {}))
+        if ddp_kwargs:
+            raise TypeError(f"{name}: {', '.join(ddp_kwargs)}: arguments of Lightning's DDP wrapper, which this "
+                            "strategy does not use (the model is wrapped by lightning_optim.fault_tolerance."
+                            "fault_tolerant_ddp, with find_unused_parameters=True)")
         self.ft_optimizer: Any = None
 
     def setup(self, trainer: Any) -> None:
@@ -310,6 +324,9 @@ class _FTDDPMixin(_ReplicaMixin):
             raise ValueError(f"{name}: precision='16-mixed' steps through torch's GradScaler after the quorum's step "
                              "has closed; use precision='bf16-mixed' or '32-true'")
         module = attached(self.lightning_module, "lightning_module")
+        if trainer.state.fn == "fit" and any(type(cb).__name__ == "GradientRelease" for cb in trainer.callbacks):
+            raise ValueError(f"{name}: GradientRelease steps inside its own DDP comm hook, and torch allows one per "
+                             "model; this strategy's averages the gradients over the replicas")
         if trainer.state.fn == "fit" and not module.automatic_optimization:
             raise ValueError(f"{name}: needs automatic optimization (Lightning's optimizer.step(closure) runs forward "
                              "and backward inside the quorum's step)")
@@ -328,7 +345,8 @@ class _FTDDPMixin(_ReplicaMixin):
 
         name = type(self).__name__
         if len(self.optimizers) != 1:
-            raise ValueError(f"{name} needs exactly one optimizer from configure_optimizers, got {len(self.optimizers)}")
+            raise ValueError(f"{name} needs exactly one optimizer from configure_optimizers, "
+                             f"got {len(self.optimizers)}")
         inner = getattr(self.optimizers[0], "_optimizer", self.optimizers[0])
         try:
             _refuse_communicating(inner)  # before anything joins the replicas

@@ -49,6 +49,17 @@ hook (no gradient all-reduce); each rank's params and optimizer state go into it
 ====================  ============================  ===============================================
 
 See docs/guides/low_communication.md.
+
+The fault-tolerant strategies run one process per replica group on torchft (``lightning_optim.fault_tolerance``),
+each replica its own launch with its own ``replica_id`` and the same Lighthouse (``lighthouse=`` or
+``TORCHFT_LIGHTHOUSE``; ``"local"`` starts one in the replica): a replica that dies costs the others one exchange:
+
+=============  ======================  ==========================================================
+``ft_diloco``  ``FTDiLoCoStrategy``    DiLoCo; every synchronisation a quorum of the replicas alive
+``ft_ddp``     ``FTDDPStrategy``       gradients averaged over the replicas alive at every step
+=============  ======================  ==========================================================
+
+See docs/guides/fault_tolerance.md.
 """
 
 from __future__ import annotations

@@ -30,6 +30,7 @@ from lightning_optim.catalogue import STRATEGIES
 from lightning_optim.lightning import (CommTelemetry, GradientRelease, KahanPrecision, MasterWeightsPrecision,
                                        OnebitAdamStrategy)
 from lightning_optim.lightning.strategies import ConsensusTelemetry
+from tests.distributed import free_port
 
 # What Lightning itself leaves on the root LightningModule after a fit (the "plain" and "ddp" cases, with
 # none of ours, show it): the lazily made ``_hparams``, and ``forward`` from DDP's forward redirection.
@@ -74,6 +75,8 @@ class HookCount(pl.Callback):
 # FSDP strategies (onebit_fsdp) shard the module in place, as Lightning's ModelParallelStrategy does (fully_shard
 # changes its class): a sharded module is what the fit leaves; they also need 4 ranks (tests/lightning/test_onebit_fsdp.py)
 SHARDING = {name for name, entry in STRATEGIES.items() if entry.base != "DDPStrategy"}
+# The fault-tolerant strategies need a replica id and a Lighthouse (tests/lightning/test_ft_strategies.py)
+REPLICATED = {"ft_diloco", "ft_ddp"}
 
 
 @dataclass
@@ -101,7 +104,12 @@ CASES: dict[str, Callable[[], Case]] = {
     "onebit_adam_master_weights_clip": lambda: Case(plugins=[MasterWeightsPrecision("16-true")], clip=1.0,
                                                     strategy=lambda: OnebitAdamStrategy(freeze_step=1)),
     **{f"strategy_{name}": (lambda name=name: Case(strategy=lambda: name, lamb=name == "onebit_lamb"))
-       for name in STRATEGIES if name not in SHARDING},
+       for name in STRATEGIES if name not in SHARDING | REPLICATED},
+    # the fault-tolerant strategies: one replica, hosting a Lighthouse in this process (it lives until the exit; a
+    # new one per fit, which waits for no replica of an earlier quorum)
+    **{f"strategy_{name}": (lambda name=name: Case(strategy=lambda: getattr(lol, STRATEGIES[name].export)(
+        replica_id="teardown", lighthouse=f"local:{free_port()}", host="localhost",
+        **({"sync_every": 2} if name == "ft_diloco" else {})))) for name in REPLICATED},
 }
 
 
