@@ -1,9 +1,12 @@
 """What the Accelerate and HF Trainer DiLoCo adapters share (no math here: ``lightning_optim.DiLoCo``):
 
-- :func:`check_settings`: DiLoCo's arguments checked before anything is built;
+- :func:`check_settings`: DiLoCo's arguments (a torchft ``manager`` among them) checked before anything is built;
 - :func:`install`: the checks on the accelerator, model and prepared optimizer, then DiLoCo built over the
   prepared optimizer's inner one (collective: every rank calls it), the DDP ``"local"`` comm hook registered
-  (no gradient all-reduce at all) and the prepared optimizer pointed at DiLoCo;
+  (no gradient all-reduce at all) and the prepared optimizer pointed at DiLoCo. With a torchft manager
+  (``lightning_optim.fault_tolerance``) the replica groups average instead of the ranks: each replica group is
+  one process of its own launch (:func:`check_one_process_per_replica`), so there is no DDP and no hook, and
+  building DiLoCo joins the replicas (it waits for a quorum; a replica that starts late is healed from a peer);
 - :func:`save_rank_state` / :func:`load_rank_state`: this rank's DiLoCo state (inner state, global params,
   outer momentum, residuals) and its own params in ``diloco_rank<r>.pt`` (Accelerate and the HF Trainer save the
   optimizer and the model from rank 0 only, but both differ per rank between synchronisations);
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Callable
 from typing import Any, cast
 
 import torch
@@ -37,22 +41,40 @@ from lightning_optim.distributed.communicating import CommunicatingOptimizer
 from lightning_optim.distributed.decentralized import DecentralizedSGD
 from lightning_optim.distributed.diloco import DiLoCo, check_diloco_arguments
 from lightning_optim.distributed.diloco_exchange import resolve_compressor
+from lightning_optim.distributed.diloco_replicas import check_manager
 from lightning_optim.precision._checks import check_keys, describe
 
-__all__ = ["check_settings", "install", "load_rank_state", "rank_state_path", "resume_rank_state",
-           "save_rank_state"]
+__all__ = ["check_one_process_per_replica", "check_settings", "install", "load_rank_state", "rank_state_path",
+           "resume_rank_state", "save_rank_state"]
 
 _GRAD_SCALER_WHY = ("lets each rank skip a step alone on an overflow, but DiLoCo's ranks synchronise after the same "
                     "number of inner steps (one skipped step would desynchronise them)")
 
 
 def check_settings(sync_every: Any, outer_lr: Any, outer_momentum: Any, nesterov: Any, fragments: Any, overlap: Any,
-                   mixing: Any, compressor: Any, final_sync: Any = True) -> dict[str, Any]:
-    """DiLoCo's keyword arguments, checked (``TypeError``/``ValueError`` naming the argument and its range)."""
+                   mixing: Any, compressor: Any, final_sync: Any = True, manager: Any = None) -> dict[str, Any]:
+    """DiLoCo's keyword arguments, checked (``TypeError``/``ValueError`` naming the argument and its range;
+    ``manager``: None or a ``torchft.Manager`` with a synchronous quorum and a process group)."""
     check_diloco_arguments(sync_every, fragments, outer_lr, outer_momentum, nesterov, overlap, mixing, final_sync)
     resolve_compressor(compressor)
+    if manager is not None:
+        check_manager(manager)
     return dict(sync_every=sync_every, outer_lr=outer_lr, outer_momentum=outer_momentum, nesterov=nesterov,
-                fragments=fragments, overlap=overlap, mixing=mixing, compressor=compressor, final_sync=final_sync)
+                fragments=fragments, overlap=overlap, mixing=mixing, compressor=compressor, final_sync=final_sync,
+                manager=manager)
+
+
+def check_one_process_per_replica(caller: str, accelerator: Any, argument: str) -> None:
+    """With a torchft manager (given as ``argument``) every replica group is one process, launched on its own
+    (``python train.py``): refuse an Accelerate run of several processes, whose ranks DiLoCo would not average
+    (a manager exchanges rank g of each replica group with rank g of the others only)."""
+    size, _ = world()
+    processes = getattr(accelerator, "num_processes", 1)
+    if size > 1 or processes > 1:
+        raise ValueError(f"{argument}: with a torchft manager {caller} runs one process per replica group (each "
+                         f"replica group its own launch: python train.py ...), but this Accelerate run has "
+                         f"{processes} process(es) in a process group of {size} rank(s); launch every replica group "
+                         f"as one process, or leave {argument} out to run DiLoCo over the Accelerate ranks")
 
 
 def _check_prepared_optimizer(optimizer: Any) -> torch.optim.Optimizer:
@@ -74,12 +96,19 @@ def _check_prepared_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     return inner
 
 
-def install(caller: str, accelerator: Any, model: nn.Module, optimizer: Any,
-            settings: dict[str, Any]) -> tuple[DiLoCo, LocalHookState | None]:
+def install(caller: str, accelerator: Any, model: nn.Module, optimizer: Any, settings: dict[str, Any], *,
+            make_manager: Callable[[], Any] | None = None,
+            argument: str = "manager") -> tuple[DiLoCo, LocalHookState | None]:
     """Refuse what cannot work, then build DiLoCo over ``optimizer``'s inner optimizer, leave DDP's gradients
     local and make ``optimizer`` step through DiLoCo. Collective (DiLoCo's construction agrees on the arguments
-    and broadcasts rank 0's params into the global copy): every rank calls it, before the first backward."""
+    and broadcasts rank 0's params into the global copy): every rank calls it, before the first backward.
+
+    Fault-tolerant: ``settings["manager"]`` (a torchft manager), or ``make_manager`` (builds one, called once
+    every check has passed); ``argument`` names the one the caller took, in the one-process refusal. Building
+    DiLoCo then waits for a quorum of the replicas."""
     check_accelerator(accelerator)
+    if settings.get("manager") is not None or make_manager is not None:
+        check_one_process_per_replica(caller, accelerator, argument)
     check_model(model)
     inner = _check_prepared_optimizer(optimizer)
     if isinstance(getattr(accelerator, "scaler", None), MasterWeightsHandle):
@@ -93,6 +122,8 @@ def install(caller: str, accelerator: Any, model: nn.Module, optimizer: Any,
         raise ValueError("model: its DDP already has a comm hook (DistributedDataParallelKwargs(comm_hook=...) or "
                          f"your own); {caller} registers the 'local' hook itself (no gradient all-reduce): remove the "
                          "other one")
+    if make_manager is not None:
+        settings = {**settings, "manager": make_manager()}
     diloco = DiLoCo(inner, **settings)  # collective; refuses what the local checks above cannot see
     hook = None
     if ddp is not None:  # the first change: everything above only checked

@@ -34,6 +34,23 @@ What ``enable_diloco`` does (the algorithm: :class:`lightning_optim.DiLoCo`, doc
   warns that they do (``final_sync=False``): see :class:`lightning_optim.DiLoCo`.
 
 ``accelerator.clip_grad_norm_`` clips each rank's local gradients (DiLoCo's inner steps are local).
+
+Fault-tolerant (``manager=``, a ``torchft.Manager``; ``lightning_optim.fault_tolerance``): the replica groups
+average instead of Accelerate's ranks, every synchronisation a quorum round of the manager. A replica group that
+dies costs the survivors the synchronisation in progress (discarded on every survivor), not the job; one that
+starts late or is relaunched is healed from a peer when ``enable_diloco`` builds DiLoCo (which waits for a quorum)::
+
+    lighthouse = "http://host:29510"  # torchft_lighthouse --min_replicas 1, or fault_tolerance.local_lighthouse()
+    manager = fault_tolerance.replica_manager(replica_id=f"replica{i}", lighthouse=lighthouse)
+    accelerator = Accelerator()           # one process: `python train.py`, once per replica group
+    model, optimizer = accelerator.prepare(model, optimizer)
+    diloco = accel_plugins.enable_diloco(accelerator, model, optimizer, sync_every=50, manager=manager)
+
+Each replica group is one process (an Accelerate run of several processes is refused, naming ``manager``):
+there is no DDP, so no hook. The checkpoint hooks stay: ``diloco_rank0.pt`` in each replica's own
+``save_state`` folder holds its DiLoCo state with the manager's committed step, and ``load_state`` restores
+both (the replicas resumed together from one save continue bitwise). ``max_steps`` and ``finish()`` as above:
+the final synchronisation is one more round of the replicas still there.
 """
 
 from __future__ import annotations
@@ -79,7 +96,9 @@ class DiLoCoHandle:
                 "sync_every": self.diloco.sync_every, "fragments": self.diloco.fragments,
                 "final_sync": self.diloco.final_sync, "max_steps": self.max_steps,
                 "compressor": self.diloco.compressor_name,
-                "buckets_local": self.hook.buckets_local if self.hook is not None else 0}
+                "buckets_local": self.hook.buckets_local if self.hook is not None else 0,
+                "fault_tolerant": self.diloco.replicas is not None,
+                "rounds_discarded": 0 if self.diloco.replicas is None else self.diloco.replicas.rounds_discarded}
 
     def finish(self) -> bool:
         """End the run on every rank (``DiLoCo.finish``): the last synchronisation, or a warning with
@@ -133,13 +152,15 @@ class DiLoCoHandle:
 def enable_diloco(accelerator: Any, model: nn.Module, optimizer: Any, *, sync_every: int, outer_lr: float = 0.7,
                   outer_momentum: float = 0.9, nesterov: bool = True, fragments: int = 1, overlap: bool = False,
                   mixing: float | None = None, compressor: Any = None, final_sync: bool = True,
-                  max_steps: int | None = None) -> DiLoCoHandle:
+                  max_steps: int | None = None, manager: Any = None) -> DiLoCoHandle:
     """Train ``model`` with DiLoCo over ``optimizer``'s own optimizer (see the module doc). Call it on every rank
     right after ``accelerator.prepare``, before the first backward; the arguments are :class:`DiLoCo`'s, and
     ``max_steps`` (None or an int >= 1, the same on every rank) the optimizer step the run ends at: the
-    run-length warning, and ``finish()`` right after that step (without it: call ``handle.finish()``)."""
+    run-length warning, and ``finish()`` right after that step (without it: call ``handle.finish()``).
+    ``manager``: a ``torchft.Manager`` (``lightning_optim.fault_tolerance.replica_manager``): the replica groups,
+    one process each, average fault-tolerantly; building DiLoCo then waits for a quorum."""
     settings = check_settings(sync_every, outer_lr, outer_momentum, nesterov, fragments, overlap, mixing, compressor,
-                              final_sync)
+                              final_sync, manager)
     if max_steps is not None:
         check_int("max_steps", max_steps, 1)
     diloco, hook = install("enable_diloco", accelerator, model, optimizer, settings)

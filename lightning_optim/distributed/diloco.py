@@ -316,6 +316,8 @@ class DiLoCo(ReplicaSteps, torch.optim.Optimizer):
         world, rank = self._origin()
         if not self.final_sync:
             synced_now = not self.overlap and syncing_fragment(t, self.sync_every, self.fragments) is not None
+            if self.replicas is not None:  # the replicas of the last quorum, replica rank 0 warns
+                world, rank = self.replicas.manager.num_participants(), self.replicas.manager.participating_rank()
             if t and world > 1 and rank == 0:
                 warnings.warn(apart_message(caller, t, self.fragments - int(synced_now), self.fragments,
                                             self.sync_every), UserWarning, stacklevel=2)

@@ -12,6 +12,8 @@ exchanges with rank ``g`` of the others.
 """
 from __future__ import annotations
 
+import atexit
+import contextlib
 import os
 import socket
 import weakref
@@ -27,6 +29,16 @@ __all__ = ["LIGHTHOUSE_ENV", "local_lighthouse", "replica_manager", "require_tor
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"  # torchft's own variable: the Lighthouse's address
 # a one-process replica group's store lives as long as its manager
 _STORES: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+_LIVE: weakref.WeakSet[Any] = weakref.WeakSet()  # managers to shut down at exit (twice is harmless)
+
+
+@atexit.register
+def _shut_down_managers() -> None:
+    """Stop the managers' servers and threads before the interpreter tears down: a manager left running at exit
+    can abort the process ("terminate called without an active exception") after a run that succeeded."""
+    for manager in list(_LIVE):
+        with contextlib.suppress(Exception):  # exiting anyway: nothing to report to
+            manager.shutdown(wait=False)
 
 
 def require_torchft() -> Any:
@@ -109,4 +121,5 @@ def replica_manager(*, replica_id: str, min_replica_size: int = 1, lighthouse: s
                       lighthouse_addr=lighthouse, replica_id=replica_id, hostname=host or socket.gethostname())
     if store is not None:
         _STORES[manager] = store
+    _LIVE.add(manager)
     return manager

@@ -163,7 +163,7 @@ def test_the_callback_checks_its_arguments_and_refuses_to_run_uninstalled():
 
 OTHER_OPTIONS = [("outer_lr", "-1"), ("outer_lr", "0.5"), ("outer_momentum", "0.5"), ("nesterov", "False"),
                  ("fragments", "2"), ("overlap", "True"), ("mixing", "0.3"), ("compressor", "int8"),
-                 ("final_sync", "False")]
+                 ("final_sync", "False"), ("replica_id", "a"), ("lighthouse", "h:1"), ("min_replica_size", "2")]
 
 
 def test_the_sweep_covers_every_diloco_option():
