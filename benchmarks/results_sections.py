@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from results_format import MB, run_facts
+from results_ft import fault_tolerance_body
 from results_nodes import compressors_body, diloco_body, diloco_plot, hierarchy_body, hsdp_body
 from results_onebit import (
     auto_freeze_body,
@@ -107,6 +108,10 @@ SECTIONS: list[Section] = [
             "DiLoCo and Streaming DiLoCo against DDP and 1-bit Adam on a slow link: bytes, time and loss at equal "
             "tokens: `python benchmarks/compressors.py --netns --rate 100mbit --model small`.", diloco_body,
             diloco_plot),
+    Section("Fault-tolerant DiLoCo: goodput with replicas killed", ("fault_tolerance",),
+            "Replicas killed and relaunched every T seconds under torchft against a failure-free run and a job that "
+            "restarts from its checkpoints: goodput, the cost of a kill, final loss: "
+            "`python benchmarks/fault_tolerance.py`.", fault_tolerance_body),
     Section("freeze_step=\"auto\"", ("auto_freeze",),
             "The automatic switch to the 1-bit stage against fixed switch steps: `python benchmarks/auto_freeze.py`.",
             auto_freeze_body),

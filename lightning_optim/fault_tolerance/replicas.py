@@ -1,6 +1,6 @@
 """The Lighthouse and the per-replica-group ``torchft.Manager``, made with the settings our optimizers need.
 
-    # once, anywhere the replicas can reach (or `torchft_lighthouse --min_replicas 1 --join_timeout_ms 1000`):
+    # once, anywhere the replicas can reach (or `torchft_lighthouse --min_replicas 1`):
     lighthouse = local_lighthouse(min_replicas=1)
     # in every replica group (each one its own launch: `python train.py`, `torchrun ...`):
     manager = replica_manager(replica_id="a", lighthouse=lighthouse.address())
@@ -50,15 +50,17 @@ def require_torchft() -> Any:
     return torchft
 
 
-def local_lighthouse(min_replicas: int = 1, *, join_timeout_ms: int = 1000, heartbeat_timeout_ms: int = 5000,
+def local_lighthouse(min_replicas: int = 1, *, join_timeout_ms: int = 60_000, heartbeat_timeout_ms: int = 5000,
                      bind: str = "[::]:0") -> Any:
     """Start torchft's Lighthouse in this process (a ``LighthouseServer``: ``.address()``, ``.shutdown()``).
 
     Args:
         min_replicas: the fewest replica groups a quorum forms with (>= 1).
-        join_timeout_ms: how long a quorum waits for replicas that were in the last one (a dead replica costs
-            the survivors this much at their next synchronisation).
-        heartbeat_timeout_ms: a replica silent this long counts as gone.
+        join_timeout_ms: how long a quorum waits for a live replica that has not asked yet (torchft's default,
+            60 s: a replica that drifts behind its peers by more is left out of the round, waits for the next one
+            and is healed, losing its steps; a dead replica is not waited for once its heartbeat stops).
+        heartbeat_timeout_ms: a replica silent this long counts as gone: what a dead replica costs the
+            survivors at their next synchronisation.
         bind: address to listen on (``[::]:0``: any interface, a free port).
     """
     check_int("min_replicas", min_replicas, 1)

@@ -11,7 +11,7 @@ The replica's settings (both strategies):
 * ``replica_id``: this replica's name, kept across relaunches (default: the environment's ``REPLICA_ID``, then
   ``TORCHFT_REPLICA_ID``);
 * ``lighthouse``: the Lighthouse's address (``http://host:29510``; default: the ``TORCHFT_LIGHTHOUSE``
-  environment variable). On a cluster run torchft's ``torchft_lighthouse --min_replicas 1 --join_timeout_ms 1000``
+  environment variable). On a cluster run torchft's ``torchft_lighthouse --min_replicas 1``
   on a machine every replica reaches and give its address to every replica. For a try on one machine,
   ``lighthouse="local"`` (``"local:PORT"``; port 29510 by default) starts a Lighthouse inside this replica's
   process (it lives as long as the process) and connects to it; the other replicas take
@@ -103,7 +103,7 @@ def resolve_lighthouse(lighthouse: str | None) -> str:
     if not value:
         raise ValueError(
             f"lighthouse: no Lighthouse address (argument or {LIGHTHOUSE_ENV}). Start one where every replica reaches "
-            f"it, `torchft_lighthouse --min_replicas 1 --join_timeout_ms 1000`, and pass "
+            f"it, `torchft_lighthouse --min_replicas 1`, and pass "
             f"lighthouse='http://<its host>:{DEFAULT_LIGHTHOUSE_PORT}' (or set {LIGHTHOUSE_ENV}) on every replica; "
             "for a try on one machine, lighthouse='local' starts one inside this replica")
     check_lighthouse(value)
@@ -229,8 +229,8 @@ class _FTDiLoCoMixin(_ReplicaMixin, _DiLoCoMixin):
         **kwargs: ``DDPStrategy`` arguments (of this replica's one process).
 
     One process per replica group (``devices=1``), each its own launch with its own ``replica_id``, all with the
-    same ``lighthouse``: an address (``http://host:29510``, torchft's ``torchft_lighthouse --min_replicas 1
-    --join_timeout_ms 1000``; default ``$TORCHFT_LIGHTHOUSE``) or, on one machine, ``"local"``/``"local:PORT"`` on
+    same ``lighthouse``: an address (``http://host:29510``, torchft's ``torchft_lighthouse --min_replicas 1``;
+    default ``$TORCHFT_LIGHTHOUSE``) or, on one machine, ``"local"``/``"local:PORT"`` on
     one replica (it starts the Lighthouse in its process) and ``http://localhost:PORT`` on the others. ``replica_id``
     defaults to ``$REPLICA_ID``/``$TORCHFT_REPLICA_ID``; ``min_replica_size``: the fewest replicas a
     synchronisation commits with; ``host``: where the others reach this replica (default: its host name).
