@@ -2,7 +2,7 @@
 synchronisation, not the job, and a relaunched one rejoins.
 
 Each replica is its own process (tests/fault_tolerance/replica.py: a small regression trained with
-``DiLoCo(..., manager=replica_manager(...))``, 100 inner steps, a synchronisation every 5). One replica is
+``DiLoCo(..., manager=replica_manager(...))``, 150 inner steps, a synchronisation every 5). One replica is
 killed with SIGKILL between synchronisations, or inside an exchange (its all-reduce in flight, the survivors'
 waiting on it), and relaunched; ``check_run`` then holds (every inner step taken by the survivors, one set of
 global params per committed step on every launch, one final model), the relaunched replica joined mid-run and
@@ -16,7 +16,7 @@ from tests.fault_tolerance.harness import Replicas, check_run
 
 pytest.importorskip("torchft")
 
-STEPS = 100
+STEPS = 150  # the survivors still train when a relaunched replica is up, also on a loaded machine
 OPTIONS = dict(steps=STEPS, sync_every=5, step_sleep=0.1, outer_lr=1.0, outer_momentum=0.5)
 
 
