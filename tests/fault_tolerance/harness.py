@@ -164,3 +164,33 @@ def check_run(runs: dict[str, list[dict]], steps: int) -> dict[str, float]:
                      "joined_at": first, "discarded": events[-1]["discarded"]}
     assert len(ends) == 1, f"the finished launches end with different params: {out}"
     return out
+
+
+def replica_threads(fn, world: int, *, lighthouse_min: int | None = None, delays: dict[int, float] | None = None,
+                    wait_s: float = 120.0) -> list:
+    """``fn(replica, lighthouse_address)`` on ``world`` threads around one in-process Lighthouse (quorums of at
+    least ``lighthouse_min``, default ``world``); replica ``r`` starts after ``delays[r]`` seconds. Results by
+    replica; the first error is re-raised; a thread still running after ``wait_s`` fails the call."""
+    import threading
+
+    lighthouse = fault_tolerance.local_lighthouse(min_replicas=world if lighthouse_min is None else lighthouse_min)
+    out: list = [None] * world
+    errors: list = []
+
+    def main(r: int) -> None:
+        try:
+            time.sleep((delays or {}).get(r, 0.0))
+            out[r] = fn(r, lighthouse.address())
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=main, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(wait_s)
+    lighthouse.shutdown()
+    assert not any(t.is_alive() for t in threads), f"a replica thread did not finish within {wait_s:.0f} s"
+    if errors:
+        raise errors[0]
+    return out

@@ -5,13 +5,13 @@ a replica that joins late takes the model and optimizer state of its peers and e
 optimizers and hooks that cannot follow changing replicas are refused by name."""
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
 import torch
 
 import lightning_optim
+from tests.fault_tolerance.harness import replica_threads
 
 ft = pytest.importorskip("lightning_optim.fault_tolerance")
 pytest.importorskip("torchft")
@@ -34,27 +34,7 @@ def _model() -> torch.nn.Module:
 
 
 def _run_replicas(fn, world: int, delays=None, lighthouse_min: int | None = None) -> list:
-    lighthouse = ft.local_lighthouse(min_replicas=world if lighthouse_min is None else lighthouse_min)
-    out: list = [None] * world
-    errors: list = []
-
-    def main(r: int) -> None:
-        try:
-            time.sleep((delays or {}).get(r, 0.0))
-            out[r] = fn(r, lighthouse.address())
-        except BaseException as exc:  # noqa: BLE001 - re-raised below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=main, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    lighthouse.shutdown()
-    assert not any(t.is_alive() for t in threads), "a replica did not finish within 120 s"
-    if errors:
-        raise errors[0]
-    return out
+    return replica_threads(fn, world, lighthouse_min=lighthouse_min, delays=delays)
 
 
 def _averaged_reference(steps: int):

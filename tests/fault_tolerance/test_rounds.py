@@ -8,12 +8,11 @@ arguments are refused before anything is built.
 """
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 
 from lightning_optim.distributed.diloco import DiLoCo
+from tests.fault_tolerance.harness import replica_threads
 from tests.ranks import run_ranks
 
 ft = pytest.importorskip("lightning_optim.fault_tolerance")
@@ -42,26 +41,7 @@ def _train(model, opt, replica: int, steps: range) -> None:
 
 def _replicas(fn, world: int = W) -> list:
     """``fn(replica, lighthouse_address)`` on ``world`` threads; results by replica (errors re-raised)."""
-    lighthouse = ft.local_lighthouse(min_replicas=world)
-    out: list = [None] * world
-    errors: list = []
-
-    def main(r: int) -> None:
-        try:
-            out[r] = fn(r, lighthouse.address())
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=main, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    lighthouse.shutdown()
-    assert not any(t.is_alive() for t in threads), "a replica thread did not finish within 120 s"
-    if errors:
-        raise errors[0]
-    return out
+    return replica_threads(fn, world)
 
 
 def _manager(r: int, address: str, world: int = W):
