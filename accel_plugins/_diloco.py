@@ -40,7 +40,6 @@ from lightning_optim.distributed.centralized import GenericCentralizedOptimizer
 from lightning_optim.distributed.communicating import CommunicatingOptimizer
 from lightning_optim.distributed.decentralized import DecentralizedSGD
 from lightning_optim.distributed.diloco import DiLoCo, check_diloco_arguments
-from lightning_optim.distributed.diloco_exchange import resolve_compressor
 from lightning_optim.distributed.diloco_replicas import check_manager
 from lightning_optim.precision._checks import check_keys, describe
 
@@ -52,16 +51,18 @@ _GRAD_SCALER_WHY = ("lets each rank skip a step alone on an overflow, but DiLoCo
 
 
 def check_settings(sync_every: Any, outer_lr: Any, outer_momentum: Any, nesterov: Any, fragments: Any, overlap: Any,
-                   mixing: Any, compressor: Any, final_sync: Any = True, manager: Any = None) -> dict[str, Any]:
+                   mixing: Any, compressor: Any, final_sync: Any = True, manager: Any = None, density: Any = None,
+                   bits: Any = None) -> dict[str, Any]:
     """DiLoCo's keyword arguments, checked (``TypeError``/``ValueError`` naming the argument and its range;
-    ``manager``: None or a ``torchft.Manager`` with a synchronous quorum and a process group)."""
-    check_diloco_arguments(sync_every, fragments, outer_lr, outer_momentum, nesterov, overlap, mixing, final_sync)
-    resolve_compressor(compressor)
+    ``manager``: None or a ``torchft.Manager`` with a synchronous quorum and a process group); the outer
+    arguments left None stay None (DiLoCo takes its recipe's defaults)."""
+    check_diloco_arguments(sync_every, fragments, outer_lr, outer_momentum, nesterov, overlap, mixing, final_sync,
+                           compressor, density, bits)
     if manager is not None:
         check_manager(manager)
     return dict(sync_every=sync_every, outer_lr=outer_lr, outer_momentum=outer_momentum, nesterov=nesterov,
-                fragments=fragments, overlap=overlap, mixing=mixing, compressor=compressor, final_sync=final_sync,
-                manager=manager)
+                fragments=fragments, overlap=overlap, mixing=mixing, compressor=compressor, density=density,
+                bits=bits, final_sync=final_sync, manager=manager)
 
 
 def check_one_process_per_replica(caller: str, accelerator: Any, argument: str) -> None:

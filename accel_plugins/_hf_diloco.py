@@ -84,7 +84,8 @@ def check_replica_options(manager: Any, fault_tolerant: Any, replica_id: Any, li
 
 class DiLoCoCallback(transformers.TrainerCallback):
     """Train with :class:`lightning_optim.DiLoCo` around the Trainer's optimizer (arguments: DiLoCo's, checked
-    here). Needs ``accel_plugins.hf.Trainer`` or the stock ``transformers.Trainer`` after
+    here; the outer ones left None take the recipe's defaults; ``compressor="sparseloco"`` with ``density`` and
+    ``bits``). Needs ``accel_plugins.hf.Trainer`` or the stock ``transformers.Trainer`` after
     ``accel_plugins.hf.register()`` (their setup callback installs it and keeps its per-rank checkpoints).
 
     Fault-tolerant (see the module doc; one process per replica group): ``manager``, a ``torchft.Manager``, or
@@ -92,13 +93,14 @@ class DiLoCoCallback(transformers.TrainerCallback):
     address; None: ``TORCHFT_LIGHTHOUSE``) and ``min_replica_size`` (None: 1), from which the callback builds
     one with ``lightning_optim.fault_tolerance.replica_manager`` when training starts."""
 
-    def __init__(self, *, sync_every: int, outer_lr: float = 0.7, outer_momentum: float = 0.9,
-                 nesterov: bool = True, fragments: int = 1, overlap: bool = False, mixing: float | None = None,
-                 compressor: Any = None, final_sync: bool = True, manager: Any = None, fault_tolerant: bool = False,
+    def __init__(self, *, sync_every: int, outer_lr: float | None = None, outer_momentum: float | None = None,
+                 nesterov: bool | None = None, fragments: int = 1, overlap: bool = False, mixing: float | None = None,
+                 compressor: Any = None, density: float | None = None, bits: int | None = None,
+                 final_sync: bool = True, manager: Any = None, fault_tolerant: bool = False,
                  replica_id: str | None = None, lighthouse: str | None = None,
                  min_replica_size: int | None = None) -> None:
         self.settings = check_settings(sync_every, outer_lr, outer_momentum, nesterov, fragments, overlap, mixing,
-                                       compressor, final_sync, manager)
+                                       compressor, final_sync, manager, density, bits)
         self.replica_options = check_replica_options(manager, fault_tolerant, replica_id, lighthouse,
                                                      min_replica_size)
         self.manager: Any = manager  # the torchft manager (built at setup with fault_tolerant=True)
@@ -182,14 +184,22 @@ class DiLoCoArguments:
     DiLoCoCallback."""
 
     diloco_sync_every: int | None = field(default=None, metadata={"help": "DiLoCo: inner steps between syncs"})
-    diloco_outer_lr: float = field(default=0.7, metadata={"help": "DiLoCo: outer SGD learning rate (> 0)"})
-    diloco_outer_momentum: float = field(default=0.9, metadata={"help": "DiLoCo: outer momentum in [0, 1)"})
-    diloco_nesterov: bool = field(default=True, metadata={"help": "DiLoCo: Nesterov outer momentum"})
+    diloco_outer_lr: float | None = field(default=None, metadata={
+        "help": "DiLoCo: outer SGD learning rate (> 0; unset: the recipe default, see DiLoCo)"})
+    diloco_outer_momentum: float | None = field(default=None, metadata={
+        "help": "DiLoCo: outer momentum in [0, 1); sparseloco: its accumulator's decay in [0, 1] (unset: the recipe "
+                "default)"})
+    diloco_nesterov: bool | None = field(default=None, metadata={
+        "help": "DiLoCo: Nesterov outer momentum, True or False (unset: the recipe default; not with sparseloco)"})
     diloco_fragments: int = field(default=1, metadata={"help": "Streaming DiLoCo: fragments (divides sync_every)"})
     diloco_overlap: bool = field(default=False, metadata={"help": "Streaming DiLoCo: overlap each exchange"})
     diloco_mixing: float | None = field(default=None, metadata={"help": "Streaming DiLoCo: mixing alpha in [0, 1]"})
     diloco_compressor: str | None = field(default=None, metadata={
-        "help": "DiLoCo: compress the pseudo-gradients: int8, int4, onebit, sign, topk, powersgd"})
+        "help": "DiLoCo: compress the pseudo-gradients: int8, int4, onebit, sign, topk, powersgd, sparseloco"})
+    diloco_density: float | None = field(default=None, metadata={
+        "help": "SparseLoCo (--diloco_compressor sparseloco): share of each chunk sent, in (0, 1] (unset: 1/64)"})
+    diloco_bits: int | None = field(default=None, metadata={
+        "help": "SparseLoCo (--diloco_compressor sparseloco): bits per sent value, in [1, 8] (unset: 2)"})
     diloco_final_sync: bool = field(default=True, metadata={
         "help": "DiLoCo: a run that ends between syncs takes one more (False: the ranks end apart, with a warning)"})
     diloco_replica_id: str | None = field(default=None, metadata={
@@ -228,6 +238,7 @@ class DiLoCoArguments:
                                   outer_momentum=self.diloco_outer_momentum, nesterov=self.diloco_nesterov,
                                   fragments=self.diloco_fragments, overlap=self.diloco_overlap,
                                   mixing=self.diloco_mixing, compressor=self.diloco_compressor,
+                                  density=self.diloco_density, bits=self.diloco_bits,
                                   final_sync=self.diloco_final_sync, fault_tolerant=self.diloco_replica_id is not None,
                                   **replica)
         except (TypeError, ValueError) as exc:

@@ -95,7 +95,8 @@ class DiLoCoHandle:
         return {"bytes_sent": stats.bytes_sent, "inner_steps": self.diloco.inner_steps,
                 "sync_every": self.diloco.sync_every, "fragments": self.diloco.fragments,
                 "final_sync": self.diloco.final_sync, "max_steps": self.max_steps,
-                "compressor": self.diloco.compressor_name,
+                "compressor": self.diloco.compressor_name, "density": self.diloco.density,
+                "bits": self.diloco.bits,
                 "buckets_local": self.hook.buckets_local if self.hook is not None else 0,
                 "fault_tolerant": self.diloco.replicas is not None,
                 "rounds_discarded": 0 if self.diloco.replicas is None else self.diloco.replicas.rounds_discarded}
@@ -149,18 +150,20 @@ class DiLoCoHandle:
             self.diloco.load_state_dict(state_dict)
 
 
-def enable_diloco(accelerator: Any, model: nn.Module, optimizer: Any, *, sync_every: int, outer_lr: float = 0.7,
-                  outer_momentum: float = 0.9, nesterov: bool = True, fragments: int = 1, overlap: bool = False,
-                  mixing: float | None = None, compressor: Any = None, final_sync: bool = True,
+def enable_diloco(accelerator: Any, model: nn.Module, optimizer: Any, *, sync_every: int,
+                  outer_lr: float | None = None, outer_momentum: float | None = None, nesterov: bool | None = None,
+                  fragments: int = 1, overlap: bool = False, mixing: float | None = None, compressor: Any = None,
+                  density: float | None = None, bits: int | None = None, final_sync: bool = True,
                   max_steps: int | None = None, manager: Any = None) -> DiLoCoHandle:
     """Train ``model`` with DiLoCo over ``optimizer``'s own optimizer (see the module doc). Call it on every rank
-    right after ``accelerator.prepare``, before the first backward; the arguments are :class:`DiLoCo`'s, and
+    right after ``accelerator.prepare``, before the first backward; the arguments are :class:`DiLoCo`'s (the outer
+    ones left None: the recipe's defaults; ``compressor="sparseloco"`` with ``density`` and ``bits``), and
     ``max_steps`` (None or an int >= 1, the same on every rank) the optimizer step the run ends at: the
     run-length warning, and ``finish()`` right after that step (without it: call ``handle.finish()``).
     ``manager``: a ``torchft.Manager`` (``lightning_optim.fault_tolerance.replica_manager``): the replica groups,
     one process each, average fault-tolerantly; building DiLoCo then waits for a quorum."""
     settings = check_settings(sync_every, outer_lr, outer_momentum, nesterov, fragments, overlap, mixing, compressor,
-                              final_sync, manager)
+                              final_sync, manager, density, bits)
     if max_steps is not None:
         check_int("max_steps", max_steps, 1)
     diloco, hook = install("enable_diloco", accelerator, model, optimizer, settings)

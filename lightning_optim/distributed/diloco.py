@@ -16,7 +16,21 @@ steps of its own optimizer (Adam(W), SGD, ... ours or torch's: its state stays o
 
 with :math:`\eta` = ``outer_lr`` (0.7), :math:`\mu` = ``outer_momentum`` (0.9), :math:`b_0 = 0`: the step
 ``torch.optim.SGD(lr=outer_lr, momentum=outer_momentum, nesterov=nesterov)`` takes with :math:`\bar\Delta` as
-the gradient. Between synchronisations nothing is sent at all.
+the gradient. Between synchronisations nothing is sent at all. (The outer arguments left None take the recipe's
+defaults, ``diloco_checks.OUTER_DEFAULTS``: the numbers here for DiLoCo, others for SparseLoCo.)
+
+SparseLoCo (Sarfi et al. 2025, arXiv 2508.15706; ``compressor="sparseloco"`` or a
+:class:`~lightning_optim.comm.compressors.SparseLoCo`): each rank keeps an error-feedback accumulator
+:math:`e_r` (zeros at the start), decayed by :math:`\beta` = ``outer_momentum``, which takes the place of the
+outer momentum (no :math:`b`, no Nesterov):
+
+.. math::
+    e_r \leftarrow \beta e_r + \Delta_r, \qquad C_r = Q(\mathrm{TopK}_\text{chunks}(e_r)), \qquad
+    e_r \leftarrow e_r - C_r, \qquad \bar\Delta = \tfrac1W \textstyle\sum_r C_r, \qquad
+    \theta_g \leftarrow \theta_g - \eta\bar\Delta, \qquad \theta_r \leftarrow \theta_g
+
+with ``density`` of each chunk kept (its largest :math:`|e_i|`) and quantised to ``bits`` bits (the compressor's
+module docstring: chunks, levels, wire); only positions and codes travel, in one all-gather.
 
 Streaming DiLoCo (Douillard et al. 2025, arXiv 2501.18512):
 
@@ -38,10 +52,10 @@ Streaming DiLoCo (Douillard et al. 2025, arXiv 2501.18512):
 ``compressor=``: the pseudo-gradients travel compressed, with this rank's error feedback
 (:math:`c = \Delta_r + e_r,\ e_r \leftarrow c - C(c)`): ``"int8"``/``"int4"`` (per-chunk scaled integer
 codes, in flight like the all-reduce), ``"onebit"`` (DeepSpeed's error-compensated 1-bit averaging),
-``"sign"``, ``"topk"`` (1%), ``"powersgd"`` (rank 4), or any
-:class:`~lightning_optim.comm.compressors.Compressor` (each fragment uses its own copy). Those other than
-int8/int4 block while they exchange; with ``overlap`` their average still merges one step later. With one
-rank nothing is sent and nothing compressed.
+``"sign"``, ``"topk"`` (1%), ``"powersgd"`` (rank 4), ``"sparseloco"`` (above: its accumulator is the error
+feedback), or any :class:`~lightning_optim.comm.compressors.Compressor` (each fragment uses its own copy). Those
+other than int8/int4 block while they exchange; with ``overlap`` their average still merges one step later. With
+one rank nothing is sent and nothing compressed (SparseLoCo included: the outer step takes :math:`\Delta`).
 
 Precision: :math:`\theta_g`, :math:`b`, :math:`\Delta` and the residuals are kept in fp32 for fp16/bf16
 params, in the params' dtype otherwise. Bytes (``comm_stats()``): what the all-reduce (ring rule) or the
@@ -57,7 +71,8 @@ nothing is sent and rank 0 warns where the ranks end apart. ``warn_if_no_sync(la
 run that ends after inner step ``last_step`` would reach no synchronisation (``diloco_end.py``).
 
 Checkpoints: ``state_dict()`` holds the inner optimizer's state (``state``, ``param_groups``: this rank's
-own) and ``"diloco"`` (``diloco_state.py``: global params, outer momentum, step, residuals, compressor
+own) and ``"diloco"`` (``diloco_state.py``: global params, outer momentum, step, residuals (SparseLoCo's
+accumulators), compressor
 states, an overlapped exchange still to merge - waited for first). A reload in a fresh object continues
 bitwise. Failures: a rank that dies or hangs during an exchange makes the others raise ``CommunicationError``
 naming it within ``lightning_optim.comm.collective_timeout()`` (``comm/roll_call.py``).
@@ -78,18 +93,19 @@ import torch
 from torch import Tensor
 
 from lightning_optim.comm.agreement import agree, fingerprint, layout_signature
+from lightning_optim.comm.compressors import SparseLoCo
 from lightning_optim.comm.dense import world_size
 from lightning_optim.comm.timeouts import check_process_group
-from lightning_optim.optim.hooks import init_wrapper_hooks, load_with_hooks, state_dict_with_hooks
+from lightning_optim.optim.hooks import init_wrapper_hooks
 
 from .agreement import float_bits
+from .diloco_checkpoint import CheckpointSteps
 from .diloco_checks import check_diloco_arguments, check_inner, check_settings, compressor_code, show
 from .diloco_end import apart_message, first_sync_after, fragments_apart, no_sync_message, settled_by_schedule
 from .diloco_exchange import (
     Exchange,
     broadcast_global_,
     keeps_own_errors,
-    resolve_compressor,
     start_exchange,
 )
 from .diloco_replicas import (
@@ -98,34 +114,36 @@ from .diloco_replicas import (
     ReplicaSteps,
     Round,
     check_manager,
-    check_replicas_part,
 )
 from .diloco_schedule import fragment_bounds, outer_step_, pseudo_gradients, syncing_fragment, take_global_
-from .diloco_state import check_section
-from .loading import check_local_state_dict
 
 __all__ = ["DiLoCo", "check_diloco_arguments"]
 
 ARGUMENTS = ("inner", "params", "sync_every", "fragments", "outer_lr", "outer_momentum", "nesterov", "overlap",
-             "mixing", "compressor", "final_sync", "manager")
+             "mixing", "compressor", "final_sync", "manager", "density", "bits")
 _FIELDS = ("sync_every", "fragments", "overlap", "nesterov", "outer_lr", "outer_momentum", "mixing", "compressor",
-           "final_sync", "params", "elements", "shapes")
+           "density", "bits", "final_sync", "params", "elements", "shapes")
 _WIDENED = (torch.float16, torch.bfloat16)  # their global copy, momentum and residuals are fp32
 
 
-class DiLoCo(ReplicaSteps, torch.optim.Optimizer):
+class DiLoCo(CheckpointSteps, ReplicaSteps, torch.optim.Optimizer):
     """DiLoCo / Streaming DiLoCo over ``inner`` (see the module docstring for the equations).
 
     Args:
         inner: the local optimizer (any ``torch.optim.Optimizer`` that does not communicate by itself).
         sync_every: H >= 1, inner steps between two synchronisations of a fragment.
-        outer_lr: the outer SGD's learning rate, > 0.
-        outer_momentum: its momentum, in [0, 1).
-        nesterov: Nesterov momentum (needs outer_momentum > 0).
+        outer_lr: the outer SGD's learning rate, > 0 (None: the recipe's default, ``diloco_checks.OUTER_DEFAULTS``).
+        outer_momentum: its momentum, in [0, 1); with SparseLoCo the decay of its accumulator, in [0, 1] (None: the
+            recipe's default; a SparseLoCo instance's own decay).
+        nesterov: Nesterov momentum (needs outer_momentum > 0; None: the recipe's default). SparseLoCo keeps no
+            outer momentum: False (or None) only.
         fragments: F >= 1 dividing H (and at most the number of params): Streaming DiLoCo's fragments.
         overlap: start each exchange after its step and merge it one inner step later.
         mixing: alpha in [0, 1] of the overlapped merge (None: 0.5 with overlap; only with overlap).
-        compressor: None, a name ("int8", "int4", "onebit", "sign", "topk", "powersgd") or a Compressor.
+        compressor: None, a name ("int8", "int4", "onebit", "sign", "topk", "powersgd", "sparseloco") or a
+            Compressor.
+        density: with ``compressor="sparseloco"``: the share of each chunk sent, in (0, 1] (None: 1/64).
+        bits: with ``compressor="sparseloco"``: bits per sent value, in [1, 8] (None: 2).
         final_sync: what :meth:`finish` does when the run ends between synchronisations. True (the default): one
             more synchronisation of what the ranks hold apart, so the run ends with one model on every rank - the
             one a main-process save writes and an evaluation scores - for one exchange of at most the whole model;
@@ -149,9 +167,10 @@ class DiLoCo(ReplicaSteps, torch.optim.Optimizer):
     mixing: float | None
     final_sync: bool
 
-    def __init__(self, inner: torch.optim.Optimizer, *, sync_every: int, outer_lr: float = 0.7,
-                 outer_momentum: float = 0.9, nesterov: bool = True, fragments: int = 1, overlap: bool = False,
-                 mixing: float | None = None, compressor: Any = None, final_sync: bool = True,
+    def __init__(self, inner: torch.optim.Optimizer, *, sync_every: int, outer_lr: float | None = None,
+                 outer_momentum: float | None = None, nesterov: bool | None = None, fragments: int = 1,
+                 overlap: bool = False, mixing: float | None = None, compressor: Any = None,
+                 density: float | None = None, bits: int | None = None, final_sync: bool = True,
                  process_group: Any = None, manager: Any = None) -> None:
         check_process_group("process_group", process_group)
         if manager is not None:
@@ -162,14 +181,17 @@ class DiLoCo(ReplicaSteps, torch.optim.Optimizer):
         error, row = None, None
         try:
             params = check_inner(inner, DiLoCo)
-            settings = check_settings(params, sync_every, fragments, outer_lr, outer_momentum, nesterov, overlap,
-                                       mixing, final_sync)
-            compressor_name, prototype = resolve_compressor(compressor)
+            settings, compressor_name, prototype = check_settings(
+                params, sync_every, fragments, outer_lr, outer_momentum, nesterov, overlap, mixing, final_sync,
+                compressor, density, bits)
+            sparse = prototype if isinstance(prototype, SparseLoCo) else None
             row = {**{k: int(settings[k]) for k in ("sync_every", "fragments", "overlap", "nesterov", "final_sync")},
                    "outer_lr": float_bits(settings["outer_lr"]),
                    "outer_momentum": float_bits(settings["outer_momentum"]),
                    "mixing": float_bits(-1.0 if settings["mixing"] is None else settings["mixing"]),
-                   "compressor": compressor_code(compressor_name), "params": len(params),
+                   "compressor": compressor_code(compressor_name),
+                   "density": float_bits(-1.0 if sparse is None else sparse.density),
+                   "bits": 0 if sparse is None else sparse.bits, "params": len(params),
                    "elements": sum(p.numel() for p in params), "shapes": fingerprint(layout_signature(params))}
         except (TypeError, ValueError) as exc:
             error = exc
@@ -181,6 +203,10 @@ class DiLoCo(ReplicaSteps, torch.optim.Optimizer):
         self.process_group = process_group
         self.params = params
         self.__dict__.update(settings)
+        # SparseLoCo: outer_momentum is its accumulator's decay; the outer step keeps no momentum of its own
+        self.decay_is_momentum = isinstance(prototype, SparseLoCo)
+        self.density = prototype.density if isinstance(prototype, SparseLoCo) else None
+        self.bits = prototype.bits if isinstance(prototype, SparseLoCo) else None
         self.compressor_name = compressor_name
         self.bounds = fragment_bounds([p.numel() for p in params], self.fragments)
         self._prototype = prototype
@@ -190,7 +216,7 @@ class DiLoCo(ReplicaSteps, torch.optim.Optimizer):
                                   for p in params]
         # one global copy on every rank: group rank 0's (a rank that started elsewhere is pulled in at its first sync)
         broadcast_global_(self.global_params, process_group)
-        self.outer_momenta = [torch.zeros_like(g) for g in self.global_params] if self.outer_momentum else []
+        self.outer_momenta = [torch.zeros_like(g) for g in self.global_params] if self._momentum else []
         self.residuals: list[Tensor | None] = [None] * len(params)
         self.inner_steps = 0
         self.pending: tuple[int, int, Any] | None = None  # (fragment, step it merges at, its exchange)
@@ -220,10 +246,16 @@ class DiLoCo(ReplicaSteps, torch.optim.Optimizer):
         raise RuntimeError("DiLoCo: the synchronised params are fixed at construction (every rank agreed on them and "
                            "they hold a global copy); add the group to the inner optimizer before wrapping it")
 
+    @property
+    def _momentum(self) -> float:
+        """The outer SGD's own momentum (0 under SparseLoCo, whose accumulator takes its place)."""
+        return 0.0 if self.decay_is_momentum else self.outer_momentum
+
     def __repr__(self) -> str:
+        sparse = f", density={self.density}, bits={self.bits}" if self.decay_is_momentum else ""
         return (f"DiLoCo(sync_every={self.sync_every}, outer_lr={self.outer_lr}, outer_momentum={self.outer_momentum}, "
                 f"nesterov={self.nesterov}, fragments={self.fragments}, overlap={self.overlap}, mixing={self.mixing}, "
-                f"compressor={self.compressor_name!r}, final_sync={self.final_sync}, inner={self.inner!r})")
+                f"compressor={self.compressor_name!r}{sparse}, final_sync={self.final_sync}, inner={self.inner!r})")
 
     # ------------------------------------------------------------------ stepping
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -289,7 +321,7 @@ class DiLoCo(ReplicaSteps, torch.optim.Optimizer):
     def _merge(self, fragment: int, averaged: list[Tensor], mixing: float | None) -> None:
         lo, hi = self.bounds[fragment]
         outer_step_(self.global_params[lo:hi], self.outer_momenta[lo:hi] if self.outer_momenta else [], averaged,
-                    lr=self.outer_lr, momentum=self.outer_momentum, nesterov=self.nesterov)
+                    lr=self.outer_lr, momentum=self._momentum, nesterov=self.nesterov)
         take_global_(self.params[lo:hi], self.global_params[lo:hi], mixing)
 
     # ------------------------------------------------------------------ the ends of a run
@@ -338,78 +370,7 @@ class DiLoCo(ReplicaSteps, torch.optim.Optimizer):
                 self._finish_exchange(fragment, self._start(fragment, t, final=True), None)
         return bool(apart)
 
-    # ------------------------------------------------------------------ checkpoints
-    def _settings(self) -> dict[str, Any]:
-        return {"sync_every": self.sync_every, "fragments": self.fragments, "overlap": self.overlap,
-                "compressor": self.compressor_name}
-
+    # ------------------------------------------------------------------ checkpoints (diloco_checkpoint.py)
     def _origin(self) -> tuple[int, int]:
         world = world_size(self.process_group)
         return world, (torch.distributed.get_rank(self.process_group) if world > 1 else 0)
-
-    def state_dict(self) -> dict[str, Any]:
-        """The inner optimizer's state dict plus ``"diloco"`` (see ``diloco_state.py``); an overlapped exchange
-        in flight is waited for (it was issued on every rank: no other rank needs to join). State-dict hooks
-        registered on DiLoCo run around the whole, as torch runs them."""
-        return state_dict_with_hooks(self, self._state_dict)
-
-    def _state_dict(self) -> dict[str, Any]:
-        out = self.inner.state_dict()
-        pending = None
-        if self.pending is not None:
-            fragment, merge_at, exchange = self.pending
-            deltas = exchange.result() if isinstance(exchange, Exchange) else exchange.rounds.peek(exchange)
-            pending = None if deltas is None else {"fragment": fragment, "merge_at": merge_at,
-                                                   "deltas": [d.clone() for d in deltas]}
-        world, rank = self._origin()
-        out["diloco"] = {
-            "step": self.inner_steps,
-            "global_params": [g.clone() for g in self.global_params],
-            "outer_momentum": [b.clone() for b in self.outer_momenta],
-            "residuals": [None if e is None else e.clone() for e in self.residuals],
-            "compressors": [{} if c is None else copy.deepcopy(c.state_dict()) for c in self.compressors],
-            "pending": pending,
-            "settings": self._settings(),
-            "world_size": world,
-            "rank": rank,
-        }
-        if self.replicas is not None:  # the join at construction may replace the params: the checkpoint keeps them
-            out["diloco"]["replicas"] = {**self.replicas.manager.state_dict(),
-                                         "params": [p.detach().clone() for p in self.params]}
-        return out
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Check everything (naming the key), load the inner optimizer's part, then take DiLoCo's. Load hooks
-        registered on DiLoCo run as torch runs them: the pre-hooks before the checks, the post-hooks after."""
-        load_with_hooks(self, state_dict, self._load_state_dict)
-
-    def _load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if not isinstance(state_dict, dict):
-            raise ValueError(f"state_dict must be a dict from DiLoCo.state_dict(), got {type(state_dict).__name__}")
-        section = state_dict.get("diloco")
-        replicas_part = None
-        if isinstance(section, dict) and "replicas" in section:
-            section = {k: v for k, v in section.items() if k != "replicas"}
-            replicas_part = check_replicas_part(state_dict["diloco"]["replicas"], self.params)
-        loaded = check_section(section, settings=self._settings(), bounds=self.bounds,
-                               global_params=self.global_params, outer_momentum=self.outer_momenta,
-                               compressors=self.compressors, origin=self._origin())
-        inner_part = {k: v for k, v in state_dict.items() if k != "diloco"}
-        check_local_state_dict(self.inner, inner_part)
-        self.inner.load_state_dict(inner_part)
-        self.inner_steps = loaded.step
-        self.global_params = loaded.global_params
-        self.outer_momenta = loaded.outer_momentum
-        self.residuals = loaded.residuals
-        self.compressors = loaded.compressors
-        self.pending = None
-        if loaded.pending is not None:
-            fragment, merge_at, deltas = loaded.pending
-            self.pending = (fragment, merge_at, Exchange.ready(deltas))
-        if replicas_part is not None:
-            params, step = replicas_part
-            with torch.no_grad():
-                for p, saved in zip(self.params, params):
-                    p.copy_(saved)
-            if self.replicas is not None:
-                self.replicas.manager.load_state_dict(step)

@@ -1,5 +1,11 @@
 """The checks of :class:`~lightning_optim.distributed.diloco.DiLoCo`'s arguments, and how its construction
-agreement shows a differing value (every refusal names the argument and its valid range)."""
+agreement shows a differing value (every refusal names the argument and its valid range).
+
+The outer step's defaults depend on the recipe, and live in :data:`OUTER_DEFAULTS` alone: ``"dense"`` (DiLoCo's
+outer Nesterov SGD, every compressor but SparseLoCo) and ``"sparseloco"`` (``compressor="sparseloco"`` or a
+:class:`~lightning_optim.comm.compressors.SparseLoCo`: no outer momentum buffer, ``outer_momentum`` is the decay
+of the error-feedback accumulator). :func:`resolve_outer` fills the arguments left None from it.
+"""
 from __future__ import annotations
 
 from typing import Any
@@ -8,6 +14,7 @@ import torch
 from torch import Tensor
 
 from lightning_optim.comm.agreement import fingerprint
+from lightning_optim.comm.compressors import Compressor, SparseLoCo
 from lightning_optim.optim.validation import check_flag, check_int, check_positive, check_unit_interval
 
 from .agreement import bits_float
@@ -15,11 +22,27 @@ from .centralized import GenericCentralizedOptimizer
 from .communicating import CommunicatingOptimizer
 from .compressed_checks import check_distinct_params, check_float_params
 from .decentralized import DecentralizedSGD
-from .diloco_exchange import COMPRESSORS
+from .diloco_exchange import COMPRESSORS, resolve_compressor
 
-__all__ = ["DEFAULT_MIXING", "check_diloco_arguments", "check_inner", "check_settings", "compressor_code", "show"]
+__all__ = ["DEFAULT_MIXING", "OUTER_DEFAULTS", "check_arguments", "check_diloco_arguments", "check_inner",
+           "check_settings", "compressor_code", "recipe", "resolve_outer", "show"]
 
 DEFAULT_MIXING = 0.5
+# recipe -> (outer_lr, outer_momentum, nesterov) where they are left None
+OUTER_DEFAULTS: dict[str, tuple[float, float, bool]] = {"dense": (0.7, 0.9, True), "sparseloco": (1.0, 0.95, False)}
+
+
+def recipe(compressor: object) -> str:
+    """``"sparseloco"`` for ``compressor="sparseloco"`` or a SparseLoCo instance, else ``"dense"``."""
+    return "sparseloco" if compressor == "sparseloco" or isinstance(compressor, SparseLoCo) else "dense"
+
+
+def resolve_outer(recipe_name: str, outer_lr: object, outer_momentum: object,
+                  nesterov: object) -> tuple[object, object, object]:
+    """``(outer_lr, outer_momentum, nesterov)`` with each None replaced by ``OUTER_DEFAULTS[recipe_name]``'s."""
+    defaults = OUTER_DEFAULTS[recipe_name]
+    given = (outer_lr, outer_momentum, nesterov)
+    return tuple(d if v is None else v for v, d in zip(given, defaults))  # type: ignore[return-value]
 
 
 def check_inner(inner: object, wrapper: type) -> list[Tensor]:
@@ -41,32 +64,55 @@ def check_inner(inner: object, wrapper: type) -> list[Tensor]:
     return params
 
 
-def check_settings(params: list[Tensor], sync_every: object, fragments: object, outer_lr: object,
-                    outer_momentum: object, nesterov: object, overlap: object, mixing: object,
-                    final_sync: object) -> dict[str, Any]:
-    settings = check_diloco_arguments(sync_every, fragments, outer_lr, outer_momentum, nesterov, overlap, mixing,
-                                      final_sync)
+def check_settings(params: list[Tensor], *args: object) -> tuple[dict[str, Any], str, Compressor | None]:
+    """:func:`check_arguments` (``args``: its arguments), and ``fragments`` against the params."""
+    settings, name, prototype = check_arguments(*args)
     if settings["fragments"] > len(params):
         raise ValueError(f"fragments must be in [1, {len(params)}] (the inner optimizer's {len(params)} params, one "
                          f"at least per fragment), got {settings['fragments']}")
-    return settings
+    return settings, name, prototype
 
 
-def check_diloco_arguments(sync_every: object, fragments: object = 1, outer_lr: object = 0.7,
-                           outer_momentum: object = 0.9, nesterov: object = True, overlap: object = False,
-                           mixing: object = None, final_sync: object = True) -> dict[str, Any]:
-    """The checks of :class:`DiLoCo`'s arguments that need no params (for adapters that wrap an optimizer
-    later): the settings with ``mixing`` resolved, or ``TypeError``/``ValueError`` naming the argument."""
+def _check_outer(kind: str, compressor: object, outer_lr: object, outer_momentum: object,
+                 nesterov: object) -> tuple[float, float, bool]:
+    own_decay = compressor.decay if isinstance(compressor, SparseLoCo) else None
+    given_momentum = outer_momentum
+    if outer_momentum is None and own_decay is not None:
+        outer_momentum = own_decay  # the instance's decay is the recipe's momentum
+    outer_lr, outer_momentum, nesterov = resolve_outer(kind, outer_lr, outer_momentum, nesterov)
+    lr = check_positive("outer_lr", outer_lr)
+    check_flag("nesterov", nesterov)
+    if kind == "dense":
+        momentum = check_unit_interval("outer_momentum", outer_momentum)
+        if nesterov and momentum == 0:
+            raise ValueError("nesterov=True needs outer_momentum in (0, 1), got 0.0 (or pass nesterov=False)")
+        return lr, momentum, bool(nesterov)
+    momentum = check_unit_interval("outer_momentum", outer_momentum, closed_right=True)
+    if nesterov:
+        raise ValueError("nesterov=True: SparseLoCo keeps no outer momentum (its error-feedback accumulator, decayed "
+                         "by outer_momentum, takes the momentum's place): pass nesterov=False or leave it None")
+    if own_decay is not None and momentum != own_decay:
+        raise ValueError(f"outer_momentum={given_momentum!r} differs from the SparseLoCo instance's decay="
+                         f"{own_decay!r}: with SparseLoCo outer_momentum is the accumulator's decay; leave it None "
+                         "or pass the instance's")
+    return lr, momentum, False
+
+
+def check_arguments(sync_every: object, fragments: object = 1, outer_lr: object = None,
+                    outer_momentum: object = None, nesterov: object = None, overlap: object = False,
+                    mixing: object = None, final_sync: object = True, compressor: object = None,
+                    density: object = None, bits: object = None) -> tuple[dict[str, Any], str, Compressor | None]:
+    """The checks of :class:`DiLoCo`'s arguments that need no params: ``(settings, compressor name, compressor
+    instance)``, the settings with the outer step's and ``mixing``'s defaults resolved, or
+    ``TypeError``/``ValueError`` naming the argument."""
     sync_every = check_int("sync_every", sync_every, 1)
     fragments = check_int("fragments", fragments, 1)
     if fragments > sync_every or sync_every % fragments:
         raise ValueError(f"fragments must divide sync_every={sync_every} (one fragment every sync_every/fragments "
                          f"steps), so lie in [1, {sync_every}], got {fragments}")
-    outer_lr = check_positive("outer_lr", outer_lr)
-    outer_momentum = check_unit_interval("outer_momentum", outer_momentum)
-    check_flag("nesterov", nesterov)
-    if nesterov and outer_momentum == 0:
-        raise ValueError("nesterov=True needs outer_momentum in (0, 1), got 0.0 (or pass nesterov=False)")
+    resolve_compressor(compressor, density, bits)  # the name, and density/bits with it, before the outer defaults
+    kind = recipe(compressor)
+    outer_lr, outer_momentum, nesterov = _check_outer(kind, compressor, outer_lr, outer_momentum, nesterov)
     check_flag("overlap", overlap)
     if mixing is not None:
         if not overlap:
@@ -76,8 +122,25 @@ def check_diloco_arguments(sync_every: object, fragments: object = 1, outer_lr: 
     elif overlap:
         mixing = DEFAULT_MIXING
     check_flag("final_sync", final_sync)
-    return dict(sync_every=sync_every, fragments=fragments, outer_lr=outer_lr, outer_momentum=outer_momentum,
-                nesterov=nesterov, overlap=overlap, mixing=mixing, final_sync=final_sync)
+    name, prototype = resolve_compressor(compressor, density, bits, outer_momentum if kind == "sparseloco" else None)
+    if isinstance(prototype, SparseLoCo) and compressor == "sparseloco":
+        density, bits = prototype.density, prototype.bits
+    settings = dict(sync_every=sync_every, fragments=fragments, outer_lr=outer_lr, outer_momentum=outer_momentum,
+                    nesterov=nesterov, overlap=overlap, mixing=mixing, final_sync=final_sync, density=density,
+                    bits=bits)
+    return settings, name, prototype
+
+
+def check_diloco_arguments(sync_every: object, fragments: object = 1, outer_lr: object = None,
+                           outer_momentum: object = None, nesterov: object = None, overlap: object = False,
+                           mixing: object = None, final_sync: object = True, compressor: object = None,
+                           density: object = None, bits: object = None) -> dict[str, Any]:
+    """The checks of :class:`DiLoCo`'s arguments that need no params (for adapters that wrap an optimizer
+    later): DiLoCo's keyword arguments but ``compressor``, with ``mixing``, the outer step's defaults
+    (:data:`OUTER_DEFAULTS`) and, for ``compressor="sparseloco"``, ``density``/``bits`` resolved; or
+    ``TypeError``/``ValueError`` naming the argument."""
+    return check_arguments(sync_every, fragments, outer_lr, outer_momentum, nesterov, overlap, mixing, final_sync,
+                           compressor, density, bits)[0]
 
 
 def compressor_code(name: str) -> int:
@@ -88,9 +151,11 @@ def compressor_code(name: str) -> int:
 
 def show(field: str, value: int) -> str:
     """A differing value of the construction agreement as a person reads it."""
-    if field in ("outer_lr", "outer_momentum", "mixing"):
+    if field in ("outer_lr", "outer_momentum", "mixing", "density"):
         number = bits_float(value)
-        return "None" if field == "mixing" and number == -1.0 else repr(number)
+        return "None" if field in ("mixing", "density") and number == -1.0 else repr(number)
+    if field == "bits":
+        return "None" if value == 0 else str(value)
     if field == "compressor":
         names = ["none", *COMPRESSORS]
         return repr(names[value]) if value < len(names) else f"a Compressor instance (class checksum {value:x})"

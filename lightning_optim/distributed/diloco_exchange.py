@@ -7,9 +7,9 @@ r"""DiLoCo's exchange of one fragment's pseudo-gradients, and the compressors it
   :math:`2(W-1)/W \cdot n \cdot` element size;
 * :class:`~lightning_optim.comm.compressors.Quantizer` (int8/int4): the all-gather of codes and scales in
   flight the same way (``start_reduce``), with this rank's error feedback;
-* any other :class:`~lightning_optim.comm.compressors.Compressor` (1-bit, top-k, scaled sign, PowerSGD): its
-  ``reduce``, which blocks until done (their collectives are not split in two); the 1-bit compressor keeps
-  its own error buffers, the others get this rank's residuals.
+* any other :class:`~lightning_optim.comm.compressors.Compressor` (1-bit, top-k, scaled sign, PowerSGD,
+  SparseLoCo): its ``reduce``, which blocks until done (their collectives are not split in two); the 1-bit
+  compressor keeps its own error buffers, the others get this rank's residuals (SparseLoCo's accumulators).
 
 With one rank nothing is sent and nothing compressed: the average is :math:`\Delta` itself.
 
@@ -40,6 +40,7 @@ from lightning_optim.comm.compressors import (
     PowerSGDCompressor,
     Quantizer,
     ScaledSign,
+    SparseLoCo,
     TopK,
 )
 from lightning_optim.comm.dense import world_size
@@ -50,7 +51,8 @@ from lightning_optim.comm.timeouts import CommunicationError, collective, collec
 
 __all__ = ["COMPRESSORS", "Exchange", "broadcast_global_", "keeps_own_errors", "resolve_compressor", "start_exchange"]
 
-# compressor= by name: the instance each name builds (pass an instance for other settings)
+# compressor= by name: the instance each name builds (pass an instance for other settings; "sparseloco" also
+# takes DiLoCo's density, bits and, as its decay, outer_momentum)
 COMPRESSORS: dict[str, Callable[[], Compressor]] = {
     "int8": Int8Quantizer,
     "int4": Int4Quantizer,
@@ -58,22 +60,41 @@ COMPRESSORS: dict[str, Callable[[], Compressor]] = {
     "sign": ScaledSign,
     "topk": lambda: TopK(ratio=0.01),
     "powersgd": lambda: PowerSGDCompressor(rank=4),
+    "sparseloco": SparseLoCo,
 }
 
 
-def resolve_compressor(value: object) -> tuple[str, Compressor | None]:
-    """``(name, instance)`` for ``compressor=``: None, a name of ``COMPRESSORS`` or a ``Compressor``."""
-    if value is None:
-        return "none", None
+def _check_name(value: object) -> None:
     if isinstance(value, str):
         if value not in COMPRESSORS:
             raise ValueError(f"compressor must be None, a Compressor instance or one of "
                              f"{', '.join(map(repr, COMPRESSORS))}, got {value!r}")
+    elif value is not None and not isinstance(value, Compressor):
+        raise TypeError(f"compressor must be None, a name ({', '.join(map(repr, COMPRESSORS))}) or a "
+                        f"lightning_optim.comm.compressors.Compressor, got {type(value).__name__}")
+
+
+def resolve_compressor(value: object, density: object = None, bits: object = None,
+                       decay: float | None = None) -> tuple[str, Compressor | None]:
+    """``(name, instance)`` for ``compressor=``: None, a name of ``COMPRESSORS`` or a ``Compressor``.
+    ``density``/``bits`` (None: SparseLoCo's defaults) and ``decay`` (None: its default) build
+    ``"sparseloco"``; given with any other compressor, a ``ValueError`` names them."""
+    _check_name(value)
+    given = {k: v for k, v in (("density", density), ("bits", bits)) if v is not None}
+    if given and value != "sparseloco":
+        shown = " and ".join(f"{k}={v!r}" for k, v in given.items())
+        if isinstance(value, SparseLoCo):
+            raise ValueError(f"{shown}: the SparseLoCo instance given as compressor has its own ({value!r}); set "
+                             "them on it, or pass compressor='sparseloco'")
+        raise ValueError(f"{shown}: only used with compressor='sparseloco' (SparseLoCo's kept share per chunk and "
+                         f"bits per value), got compressor={value!r}; leave them None")
+    if value is None:
+        return "none", None
+    if value == "sparseloco":
+        return "sparseloco", SparseLoCo(**given, **({} if decay is None else {"decay": decay}))  # type: ignore[arg-type]
+    if isinstance(value, str):
         return value, COMPRESSORS[value]()
-    if isinstance(value, Compressor):
-        return type(value).__name__, value
-    raise TypeError(f"compressor must be None, a name ({', '.join(map(repr, COMPRESSORS))}) or a "
-                    f"lightning_optim.comm.compressors.Compressor, got {type(value).__name__}")
+    return type(value).__name__, value  # type: ignore[return-value]  # _check_name: a Compressor
 
 
 def keeps_own_errors(compressor: Compressor | None) -> bool:

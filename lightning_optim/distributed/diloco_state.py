@@ -2,7 +2,8 @@
 anything (every refusal names the key).
 
     {"step": inner steps taken, "global_params": [θ_g per param], "outer_momentum": [b per param] ([] when
-     outer_momentum is 0), "residuals": [error feedback per param, or None], "compressors": [each fragment's
+     outer_momentum is 0, and with SparseLoCo), "residuals": [error feedback per param (SparseLoCo: its
+     accumulators), or None], "compressors": [each fragment's
      compressor state], "pending": None or {"fragment", "merge_at", "deltas"} (an overlapped exchange whose
      average is merged at step ``merge_at``), "settings": {"sync_every", "fragments", "overlap",
      "compressor"}, "world_size", "rank"}

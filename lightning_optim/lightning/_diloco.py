@@ -18,7 +18,6 @@ from typing import Any, ClassVar
 
 from lightning_optim.comm.stats import comm_stats
 from lightning_optim.distributed.diloco import check_diloco_arguments
-from lightning_optim.distributed.diloco_exchange import resolve_compressor
 from lightning_optim.lightning._bases import attached
 from lightning_optim.lightning._comm_hook_strategies import _NO_BUFFER_SYNC, _CommHookStrategyMixin
 from lightning_optim.onebit.convert import retarget_schedulers
@@ -32,14 +31,17 @@ class _DiLoCoMixin(_CommHookStrategyMixin):
 
     Args:
         sync_every: H >= 1, inner (optimizer) steps between two synchronisations of a fragment.
-        outer_lr: the outer SGD's learning rate, > 0 (0.7, the paper's).
-        outer_momentum: its momentum, in [0, 1) (0.9).
-        nesterov: Nesterov momentum (needs outer_momentum > 0).
+        outer_lr: the outer SGD's learning rate, > 0 (None: the recipe's default, as ``lightning_optim.DiLoCo``).
+        outer_momentum: its momentum, in [0, 1); with ``compressor="sparseloco"`` the decay of its accumulator, in
+            [0, 1] (None: the recipe's default).
+        nesterov: Nesterov momentum (needs outer_momentum > 0; not with SparseLoCo; None: the recipe's default).
         fragments: F >= 1 dividing H: Streaming DiLoCo's fragments, one synchronised every H/F steps.
         overlap: start each exchange after its step and merge it one step later.
         mixing: alpha in [0, 1] of the overlapped merge (None: 0.5 with overlap; only with overlap).
-        compressor: None, "int8", "int4", "onebit", "sign", "topk", "powersgd" or a Compressor (error feedback
-            per rank).
+        compressor: None, "int8", "int4", "onebit", "sign", "topk", "powersgd", "sparseloco" or a Compressor
+            (error feedback per rank).
+        density, bits: with ``compressor="sparseloco"`` only: the share of each chunk sent, in (0, 1], and bits
+            per value, in [1, 8] (None: SparseLoCo's 1/64 and 2).
         final_sync: a fit that ends between synchronisations takes one more (True, the default: every rank ends
             with the same model; the checkpoints written during the fit hold the state before it and resume
             bitwise), or ends with each rank's own params and a warning (False). See ``lightning_optim.DiLoCo``.
@@ -61,17 +63,16 @@ class _DiLoCoMixin(_CommHookStrategyMixin):
                             "the same number of steps (a skipped step on one rank would desynchronise them)")
     _defaults: ClassVar[dict[str, Any]] = {"fragments": 1, "overlap": False}
 
-    def __init__(self, sync_every: int = 100, outer_lr: float = 0.7, outer_momentum: float = 0.9,
-                 nesterov: bool = True, fragments: int | None = None, overlap: bool | None = None,
+    def __init__(self, sync_every: int = 100, outer_lr: float | None = None, outer_momentum: float | None = None,
+                 nesterov: bool | None = None, fragments: int | None = None, overlap: bool | None = None,
                  mixing: float | None = None, compressor: Any = None, final_sync: bool = True,
-                 **kwargs: Any) -> None:
+                 density: float | None = None, bits: int | None = None, **kwargs: Any) -> None:
         name = type(self).__name__
         fragments = self._defaults["fragments"] if fragments is None else fragments
         overlap = self._defaults["overlap"] if overlap is None else overlap
         try:  # DiLoCo's own checks (those that need no params), before Lightning builds anything
             settings = check_diloco_arguments(sync_every, fragments, outer_lr, outer_momentum, nesterov, overlap,
-                                              mixing, final_sync)
-            resolve_compressor(compressor)
+                                              mixing, final_sync, compressor, density, bits)
         except (TypeError, ValueError) as exc:
             raise type(exc)(f"{name}: {exc}") from None
         if "broadcast_buffers" not in kwargs and "forward_sync_buffers" not in kwargs:
@@ -122,7 +123,8 @@ class _DiLoCoMixin(_CommHookStrategyMixin):
     def comm_summary(self) -> dict[str, Any]:
         d = self.diloco
         extra = {} if d is None else {"sync_every": d.sync_every, "fragments": d.fragments, "overlap": d.overlap,
-                                      "compressor": d.compressor_name, "final_sync": d.final_sync,
+                                      "compressor": d.compressor_name, "density": d.density, "bits": d.bits,
+                                      "final_sync": d.final_sync,
                                       "final_sync_bytes": self.final_sync_bytes}
         return {**super().comm_summary(), **extra}
 

@@ -220,8 +220,8 @@ class _FTDiLoCoMixin(_ReplicaMixin, _DiLoCoMixin):
     the replicas that are alive, an exchange that fails is discarded, a replica that returns is healed from a peer.
 
     Args:
-        sync_every, outer_lr, outer_momentum, nesterov, fragments, overlap, mixing, compressor, final_sync:
-            as :class:`DiLoCoStrategy` (launch every replica with the same values).
+        sync_every, outer_lr, outer_momentum, nesterov, fragments, overlap, mixing, compressor, final_sync,
+            density, bits: as :class:`DiLoCoStrategy` (launch every replica with the same values).
         replica_id, lighthouse, min_replica_size, host: this replica's settings (see below).
         timeout: seconds a collective, commit decision or healing transfer may take (30).
         telemetry: log ``comm/*`` per step (``comm/fp32_bytes``: an fp32 ring all-reduce over the replicas of the
@@ -240,15 +240,16 @@ class _FTDiLoCoMixin(_ReplicaMixin, _DiLoCoMixin):
     state, DiLoCo's state with the manager's committed step and this replica's params) and resumes from it.
     """
 
-    def __init__(self, sync_every: int = 100, outer_lr: float = 0.7, outer_momentum: float = 0.9,
-                 nesterov: bool = True, fragments: int | None = None, overlap: bool | None = None,
+    def __init__(self, sync_every: int = 100, outer_lr: float | None = None, outer_momentum: float | None = None,
+                 nesterov: bool | None = None, fragments: int | None = None, overlap: bool | None = None,
                  mixing: float | None = None, compressor: Any = None, final_sync: bool = True,
-                 replica_id: str | None = None, min_replica_size: int = 1, lighthouse: str | None = None,
+                 density: float | None = None, bits: int | None = None, replica_id: str | None = None,
+                 min_replica_size: int = 1, lighthouse: str | None = None,
                  host: str | None = None, timeout: float | timedelta = DEFAULT_FT_TIMEOUT_S, **kwargs: Any) -> None:
         self._init_replica(replica_id, min_replica_size, lighthouse, host)
         super().__init__(sync_every=sync_every, outer_lr=outer_lr, outer_momentum=outer_momentum, nesterov=nesterov,
                          fragments=fragments, overlap=overlap, mixing=mixing, compressor=compressor,
-                         final_sync=final_sync, timeout=timeout, **kwargs)
+                         final_sync=final_sync, density=density, bits=bits, timeout=timeout, **kwargs)
 
     def setup_optimizers(self, trainer: Any) -> None:
         self._diloco_kwargs["manager"] = self._open_manager()  # DiLoCo joins the replicas when it is made

@@ -2,8 +2,9 @@
 
     python -m torch.distributed.run --nproc_per_node 2 accelerate_diloco_script.py OUT
 
-For each case of CASES (no compressor; int8 with per-rank residuals): a ``full`` run of STEPS optimizer steps
-(2 accumulated micro-batches each, StepLR, ``clip_grad_norm_``) that calls ``accelerator.save_state`` after
+For each case of CASES (no compressor; int8 with per-rank residuals; SparseLoCo with per-rank accumulators): a
+``full`` run of STEPS optimizer steps (2 accumulated micro-batches each, StepLR, ``clip_grad_norm_``) that calls
+``accelerator.save_state`` after
 step SAVE_AT (between two synchronisations), then a ``resumed`` run in fresh objects (another initial model)
 that ``load_state``s it and trains the remaining steps. Then one refusal under DDP (a foreign comm hook), and the
 ends of short runs (SHORT): ``max_steps`` past a sync (``finish`` by itself after the last step), the same with
@@ -29,21 +30,22 @@ from tests.accel.diloco_data import LR, MAX_NORM, MICRO, SAVE_AT, STEPS, SYNC_EV
     build_model  # noqa: E402
 from tests.wire import wire_bytes_sent  # noqa: E402
 
-CASES = {"plain": None, "int8": "int8"}
+CASES = {"plain": {}, "int8": {"compressor": "int8"},
+         "sparseloco": {"compressor": "sparseloco", "density": 0.05, "bits": 2, "outer_lr": 1.0, "outer_momentum": 0.9}}
 
 
 def flat(model: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
 
 
-def train(compressor, rank: int, ckpt: Path, resume: bool) -> dict:
+def train(settings: dict, rank: int, ckpt: Path, resume: bool) -> dict:
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=MICRO)
     model = build_model(seed=1 if resume else 0)  # the resumed run must take everything from the checkpoint
     initial = flat(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=10, gamma=0.5)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
-    handle = accel_plugins.enable_diloco(accelerator, model, optimizer, sync_every=SYNC_EVERY, compressor=compressor)
+    handle = accel_plugins.enable_diloco(accelerator, model, optimizer, sync_every=SYNC_EVERY, **settings)
     if resume:
         accelerator.load_state(str(ckpt))
     rows = []
@@ -141,9 +143,9 @@ out = Path(sys.argv[1])
 accelerator = Accelerator(cpu=True)
 rank = accelerator.process_index
 results = {"world": accelerator.num_processes}
-for name, compressor in CASES.items():
-    results[name] = {"full": train(compressor, rank, out / f"ckpt_{name}", resume=False)}
-    results[name]["resumed"] = train(compressor, rank, out / f"ckpt_{name}", resume=True)
+for name, settings in CASES.items():
+    results[name] = {"full": train(settings, rank, out / f"ckpt_{name}", resume=False)}
+    results[name]["resumed"] = train(settings, rank, out / f"ckpt_{name}", resume=True)
 results["foreign_hook"] = foreign_hook_refused()
 results["short"] = {name: short_run(rank, name) for name in SHORT}
 torch.save(results, out / f"rank{rank}.pt")

@@ -88,7 +88,9 @@ def run_phase() -> None:
     torch.save({"params": [p.detach().clone() for p in model.parameters()], "trainer": type(trainer).__module__,
                 "rows": recorder.rows, "log": trainer.state.log_history, "inner_steps": diloco.diloco.inner_steps,
                 "inner": type(diloco.diloco.inner).__name__, "stepping": type(trainer.optimizer.optimizer).__name__,
-                "buckets_local": diloco.hook.buckets_local, "bytes_sent": diloco.comm_stats().bytes_sent},
+                "buckets_local": diloco.hook.buckets_local, "bytes_sent": diloco.comm_stats().bytes_sent,
+                "compressor": diloco.diloco.compressor_name, "density": diloco.diloco.density,
+                "bits": diloco.diloco.bits, "outer_momenta": len(diloco.diloco.outer_momenta)},
                f"{args.output_dir}/result{trainer.args.process_index}.pt")
     trainer.accelerator.free_memory()
     del trainer, model, diloco

@@ -3,9 +3,11 @@ three synchronisations (sync_every=4, 12 optimizer steps of 2 accumulated micro-
 single-process DiLoCo reference (tests/reference/diloco.py), are equal on both ranks right after each sync and
 differ between; the kernel's socket counters see nothing between syncs (DDP's gradient all-reduce is gone) and
 at each sync what comm_stats counts; a save_state/load_state between two syncs resumes bitwise (also with int8
-residuals, per rank). A run that ends between syncs ends with one more (``max_steps``, or ``handle.finish()``
-after the loop) and one model on both ranks, as the reference's final sync; ``final_sync=False`` and a run shorter
-than ``sync_every`` are named on rank 0. Argument refusals run in this process."""
+residuals and SparseLoCo's accumulators, per rank). ``compressor="sparseloco"`` also follows the reference, with
+SparseLoCo's aggregate (tests/reference/sparseloco.py), and sends its wire format at each sync. A run that ends
+between syncs ends with one more (``max_steps``, or ``handle.finish()`` after the loop) and one model on both ranks,
+as the reference's final sync; ``final_sync=False`` and a run shorter than ``sync_every`` are named on rank 0.
+Argument refusals run in this process."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from tests.accel.diloco_data import LR, MAX_NORM, MICRO, SAVE_AT, STEPS, SYNC_EV
     build_model  # noqa: E402
 from tests.distributed import torchrun_results  # noqa: E402
 from tests.reference.diloco import RefDiLoCo  # noqa: E402
+from tests.reference.sparseloco import RefSparseLoCoWorkers, message_bytes  # noqa: E402
 from tests.wire import assert_quiet_between_syncs  # noqa: E402
 
 SCRIPT = Path(__file__).with_name("accelerate_diloco_script.py")
@@ -36,14 +39,26 @@ def ranks(tmp_path_factory):
     return results
 
 
-def _reference(rows: list[dict], initial: torch.Tensor, steps: int = STEPS, finish: bool = False) -> list[torch.Tensor]:
+SPARSELOCO = dict(density=0.05, bits=2, chunk=4096, decay=0.9, outer_lr=1.0)  # the script's sparseloco case
+
+
+def _reference(rows: list[dict], initial: torch.Tensor, steps: int = STEPS, finish: bool = False,
+               sparseloco: bool = False) -> list[torch.Tensor]:
     """Two simulated workers with the ranks' data, learning rates, accumulation and clipping; params per step
-    (and, with ``finish``, after the final sync)."""
+    (and, with ``finish``, after the final sync). ``sparseloco``: the outer step without momentum on SparseLoCo's
+    aggregate."""
     module = build_model(0)
     names = [n for n, _ in module.named_parameters()]
     shapes = [p.shape for p in module.parameters()]
     init = [t.view(s) for t, s in zip(initial.split([s.numel() for s in shapes]), shapes)]
-    ref = RefDiLoCo(init, 2, lambda ps: torch.optim.AdamW(ps, lr=LR, weight_decay=WEIGHT_DECAY), sync_every=SYNC_EVERY)
+    outer = {}
+    if sparseloco:
+        c = SPARSELOCO
+        outer = dict(outer_lr=c["outer_lr"], outer_momentum=0.0, nesterov=False, reducers=[RefSparseLoCoWorkers(
+            2, shapes, density=c["density"], bits=c["bits"], chunk=c["chunk"], decay=c["decay"],
+            dtype=torch.float32).step])
+    ref = RefDiLoCo(init, 2, lambda ps: torch.optim.AdamW(ps, lr=LR, weight_decay=WEIGHT_DECAY), sync_every=SYNC_EVERY,
+                    **outer)
 
     def grads(w: int, t: int, params: list[torch.Tensor]) -> None:
         ref.inners[w].param_groups[0]["lr"] = rows[t - 1]["lr"]  # the scheduler's value at that step
@@ -63,10 +78,11 @@ def _reference(rows: list[dict], initial: torch.Tensor, steps: int = STEPS, fini
     return per_step
 
 
-def test_params_follow_the_diloco_reference_and_agree_right_after_each_sync(ranks):
-    full = [r["plain"]["full"] for r in ranks]
+@pytest.mark.parametrize("case", ["plain", "sparseloco"])
+def test_params_follow_the_diloco_reference_and_agree_right_after_each_sync(ranks, case):
+    full = [r[case]["full"] for r in ranks]
     assert torch.equal(full[0]["initial"], full[1]["initial"])
-    expected = _reference(full[0]["rows"], full[0]["initial"])
+    expected = _reference(full[0]["rows"], full[0]["initial"], sparseloco=case == "sparseloco")
     for step in range(1, STEPS + 1):
         mine = [f["rows"][step - 1]["params"] for f in full]
         for rank in range(2):
@@ -77,7 +93,7 @@ def test_params_follow_the_diloco_reference_and_agree_right_after_each_sync(rank
         assert f["summary"]["buckets_local"] == STEPS  # every backward went through the "local" hook
 
 
-@pytest.mark.parametrize("case", ["plain", "int8"])
+@pytest.mark.parametrize("case", ["plain", "int8", "sparseloco"])
 def test_nothing_on_the_wire_between_syncs_and_comm_stats_at_syncs(ranks, case):
     for result in ranks:
         rows = result[case]["full"]["rows"]
@@ -93,7 +109,20 @@ def test_nothing_on_the_wire_between_syncs_and_comm_stats_at_syncs(ranks, case):
                 assert r["stats_bytes"] == 0, r
 
 
-@pytest.mark.parametrize("case", ["plain", "int8"])
+def test_sparseloco_sends_its_wire_format_at_each_sync(ranks):
+    """Each sync is SparseLoCo's all-gather of the whole model (the reference's count), the first one with the
+    compressor's layout agreement (8 int64s to the other rank); the summary names the settings."""
+    numels = [p.numel() for p in build_model(0).parameters()]
+    wire = sum(message_bytes(n, density=SPARSELOCO["density"], bits=SPARSELOCO["bits"], chunk=SPARSELOCO["chunk"])
+               for n in numels)
+    for result in ranks:
+        rows = result["sparseloco"]["full"]["rows"]
+        assert [r["stats_bytes"] for r in rows if r["step"] in SYNCS] == [wire + 8 * 8] + [wire] * (len(SYNCS) - 1)
+        summary = result["sparseloco"]["full"]["summary"]
+        assert (summary["compressor"], summary["density"], summary["bits"]) == ("sparseloco", 0.05, 2)
+
+
+@pytest.mark.parametrize("case", ["plain", "int8", "sparseloco"])
 def test_save_state_load_state_between_syncs_resumes_bitwise(ranks, case):
     for result in ranks:
         full, resumed = result[case]["full"]["rows"], result[case]["resumed"]["rows"]
@@ -142,6 +171,7 @@ def test_a_foreign_comm_hook_is_refused_before_anything_changes(ranks):
 # ---------------------------------------------------------------------- refusals in this process (one rank)
 BAD_ARGUMENTS = [
     ("sync_every", 0, ValueError), ("sync_every", 2.5, TypeError), ("sync_every", True, TypeError),
+    ("density", 0.1, ValueError), ("bits", 2, ValueError),  # without compressor="sparseloco"
     ("outer_lr", 0.0, ValueError), ("outer_lr", -1.0, ValueError), ("outer_lr", "0.7", TypeError),
     ("outer_momentum", 1.0, ValueError), ("outer_momentum", -0.1, ValueError),
     ("nesterov", "yes", TypeError), ("fragments", 0, ValueError), ("fragments", 3, ValueError),
@@ -174,6 +204,23 @@ def test_a_bad_argument_is_refused_by_name_before_anything_changes(name, value, 
     kwargs = {"sync_every": 4, name: value}
     with pytest.raises(error, match=rf"^{name}\b"):
         accel_plugins.enable_diloco(accelerator, model, optimizer, **kwargs)
+    assert _unchanged(accelerator, optimizer, inner)
+
+
+SPARSELOCO_BAD = [("density", dict(density=0.0), ValueError), ("density", dict(density="x"), TypeError),
+                  ("bits", dict(bits=9), ValueError), ("bits", dict(bits=2.0), TypeError),
+                  ("nesterov", dict(nesterov=True), ValueError),
+                  ("outer_momentum", dict(outer_momentum=1.5), ValueError)]
+
+
+@pytest.mark.parametrize("name, kwargs, error", SPARSELOCO_BAD, ids=[str(k) for _, k, _ in SPARSELOCO_BAD])
+def test_a_bad_sparseloco_argument_is_refused_by_name_before_anything_changes(name, kwargs, error):
+    import accel_plugins
+
+    accelerator, model, optimizer = _prepared()
+    inner = optimizer.optimizer
+    with pytest.raises(error, match=rf"^{name}\b"):
+        accel_plugins.enable_diloco(accelerator, model, optimizer, sync_every=4, compressor="sparseloco", **kwargs)
     assert _unchanged(accelerator, optimizer, inner)
 
 

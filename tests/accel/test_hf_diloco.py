@@ -6,8 +6,9 @@ counters see nothing between syncs inside the steps (no DDP gradient all-reduce)
 ``resume_from_checkpoint`` from checkpoint-6 (between syncs; written by ``accel_plugins.hf.Trainer``, resumed by
 the stock Trainer after ``register()``) continues bitwise on both ranks; resumed from a copy of it without rank 1's
 ``diloco_rank1.pt``, rank 1 continues DiLoCo's schedule from rank 0's saved state with a warning (no restart at
-inner step 0) while rank 0 resumes its own; the runs are phases of one launch (tests/accel/phases.py). Refusals run
-in this process."""
+inner step 0) while rank 0 resumes its own; ``--diloco_compressor sparseloco --diloco_density 0.05 --diloco_bits 2``
+trains through SparseLoCo, each sync its wire format (tests/reference/sparseloco.py) with nothing between; the runs
+are phases of one launch (tests/accel/phases.py). Refusals run in this process."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import torch
 pytest.importorskip("transformers")
 
 from tests.accel.phases import rank_results, run_phases  # noqa: E402
+from tests.reference.sparseloco import message_bytes  # noqa: E402
 from tests.wire import assert_quiet_between_syncs  # noqa: E402
 
 SCRIPT = Path(__file__).with_name("hf_diloco_script.py")
@@ -26,6 +28,8 @@ REPO = Path(__file__).resolve().parents[2]
 STEPS, SYNC_EVERY, SAVE_AT = 12, 4, 6
 SYNCS = [s for s in range(1, STEPS + 1) if s % SYNC_EVERY == 0]
 SHORT = SYNC_EVERY + 2  # a run past a sync that ends between two
+SPARSELOCO = ("--diloco_compressor", "sparseloco", "--diloco_density", "0.05", "--diloco_bits", "2",
+              "--diloco_outer_lr", "1.0", "--diloco_outer_momentum", "0.9")
 COMMON = ["--diloco_sync_every", str(SYNC_EVERY), "--max_steps", str(STEPS), "--save_steps", str(SAVE_AT),
           "--logging_steps", "4", "--per_device_train_batch_size", "8", "--gradient_accumulation_steps", "2",
           "--learning_rate", "3e-3", "--use_cpu", "--report_to", "none", "--seed", "0",
@@ -46,11 +50,13 @@ def runs(tmp_path_factory):
                                _phase(tmp / "partial", *resume, "--drop_rank_state", "1"),
                                _phase(tmp / "ends_apart", "--max_steps", str(SHORT)),
                                _phase(tmp / "kept_apart", "--max_steps", "3", "--diloco_sync_every", "8",
-                                      "--diloco_final_sync", "False")], cwd=REPO)
+                                      "--diloco_final_sync", "False"),
+                               _phase(tmp / "sparseloco", *SPARSELOCO)], cwd=REPO)
     return {"full": rank_results(tmp / "full", "result"), "resumed": rank_results(tmp / "resumed", "result"),
             "partial": rank_results(tmp / "partial", "result"), "checkpoint": checkpoint, "stderr": done.stderr,
             "ends_apart": rank_results(tmp / "ends_apart", "result"),
-            "kept_apart": rank_results(tmp / "kept_apart", "result")}
+            "kept_apart": rank_results(tmp / "kept_apart", "result"),
+            "sparseloco": rank_results(tmp / "sparseloco", "result")}
 
 
 def test_the_trainer_steps_through_diloco_and_the_ranks_agree_right_after_each_sync(runs):
@@ -131,9 +137,47 @@ def test_final_sync_false_and_a_run_shorter_than_sync_every_are_named_once(runs)
     assert "DiLoCoCallback: sync_every=4, but" not in runs["stderr"]  # the other runs reach their syncs
 
 
+def test_sparseloco_from_the_command_line_sends_its_wire_format_at_syncs_only(runs):
+    """12 steps, sync_every 4: the ranks agree right after each sync and differ between; each sync is SparseLoCo's
+    all-gather of the model (the reference's count; the first with its layout agreement, 8 int64s), nothing is sent
+    between syncs, the socket counters see what was counted; the loss falls."""
+    results = runs["sparseloco"]
+    for result in results:
+        assert (result["compressor"], result["density"], result["bits"], result["outer_momenta"]) == (
+            "sparseloco", 0.05, 2, 0)
+        assert result["inner_steps"] == STEPS
+    for a, b in zip(results[0]["rows"], results[1]["rows"]):
+        assert torch.equal(a["params"], b["params"]) == (a["step"] in SYNCS), a["step"]
+    wire = sum(message_bytes(p.numel(), density=0.05, bits=2, chunk=4096) for p in results[0]["params"])
+    for result in results:
+        rows = result["rows"]
+        assert [r["stats_bytes"] for r in rows if r["step"] in SYNCS] == [wire + 8 * 8] + [wire] * (len(SYNCS) - 1)
+        assert all(r["stats_bytes"] == 0 for r in rows if r["step"] not in SYNCS)
+        if all(r["wire_bytes"] is not None for r in rows):
+            assert_quiet_between_syncs(rows, SYNCS)
+            for r in rows:
+                if r["step"] in SYNCS:
+                    assert r["stats_bytes"] <= r["wire_bytes"] <= 1.03 * r["stats_bytes"] + 1024, r
+    losses = [row["loss"] for row in results[0]["log"] if "loss" in row]
+    assert losses[-1] < losses[0]
+
+
 # ---------------------------------------------------------------------- refusals in this process
 BAD = [("sync_every", "0"), ("outer_lr", "0"), ("outer_lr", "-1"), ("outer_momentum", "1"),
-       ("fragments", "3"), ("mixing", "0.5"), ("compressor", "int2")]
+       ("fragments", "3"), ("mixing", "0.5"), ("compressor", "int2"), ("density", "0.1"), ("bits", "2")]
+SPARSELOCO_BAD = [("density", "0"), ("density", "1.5"), ("bits", "0"), ("bits", "9"), ("nesterov", "True"),
+                  ("outer_momentum", "1.5")]
+
+
+@pytest.mark.parametrize("name, value", SPARSELOCO_BAD, ids=[f"{n}={v}" for n, v in SPARSELOCO_BAD])
+def test_a_bad_sparseloco_value_is_refused_at_parse_time_by_name(name, value):
+    from transformers import HfArgumentParser
+
+    from accel_plugins.hf import DiLoCoArguments
+
+    argv = ["--diloco_sync_every", "4", "--diloco_compressor", "sparseloco", f"--diloco_{name}", value]
+    with pytest.raises((TypeError, ValueError), match=rf"^diloco_{name}\b"):
+        HfArgumentParser(DiLoCoArguments).parse_args_into_dataclasses(argv)
 
 
 @pytest.mark.parametrize("name, value", BAD, ids=[f"{n}={v}" for n, v in BAD])
@@ -163,6 +207,7 @@ def test_the_callback_checks_its_arguments_and_refuses_to_run_uninstalled():
 
 OTHER_OPTIONS = [("outer_lr", "-1"), ("outer_lr", "0.5"), ("outer_momentum", "0.5"), ("nesterov", "False"),
                  ("fragments", "2"), ("overlap", "True"), ("mixing", "0.3"), ("compressor", "int8"),
+                 ("density", "0.1"), ("bits", "2"),
                  ("final_sync", "False"), ("replica_id", "a"), ("lighthouse", "h:1"), ("min_replica_size", "2")]
 
 

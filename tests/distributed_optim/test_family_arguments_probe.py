@@ -29,6 +29,7 @@ from lightning_optim.comm.compressors import (
     Int8Quantizer,
     PowerSGDCompressor,
     RandomK,
+    SparseLoCo,
     TopK,
 )
 from lightning_optim.distributed import (
@@ -244,6 +245,11 @@ ARGUMENTS: dict[str, tuple[Callable[..., Any], dict[str, tuple[float | int, set[
     "PowerSGDCompressor": (_reduced(PowerSGDCompressor), {"rank": (2, set()), "seed": (3, {"0"})}),
     "Int8Quantizer": (_reduced(Int8Quantizer), {"chunk": (4, set()), "seed": (3, {"0"})}),
     "Int4Quantizer": (_reduced(Int4Quantizer), {"chunk": (4, set()), "seed": (3, {"0"})}),
+    "SparseLoCo": (_reduced(SparseLoCo), {"density": (0.5, set()), "bits": (3, set()), "chunk": (4, set()),
+                                          "decay": (0.9, {"0"})}),
+    "DiLoCo[sparseloco]": (_stepped(lambda m, **kw: DiLoCo(lo.SGD(m.parameters(), lr=0.1), **{
+        "sync_every": 2, "compressor": "sparseloco", **kw})),
+        {"density": (0.5, set()), "bits": (3, set()), "outer_momentum": (0.9, {"0"}), "outer_lr": (0.7, set())}),
 }
 
 
@@ -265,7 +271,7 @@ def _numpy_left(obj: Any) -> list[str]:
 
 def test_the_argument_table_covers_the_family_and_the_compressors():
     assert {DISTRIBUTED[n].export for n in DISTRIBUTED} <= set(ARGUMENTS)
-    assert {"TopK", "RandomK", "Blockwise", "PowerSGDCompressor"} <= set(ARGUMENTS)
+    assert {"TopK", "RandomK", "Blockwise", "PowerSGDCompressor", "SparseLoCo"} <= set(ARGUMENTS)
 
 
 @pytest.mark.parametrize("name", sorted(ARGUMENTS))

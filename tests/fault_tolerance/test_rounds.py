@@ -57,6 +57,7 @@ SETTINGS = [
     dict(compressor="sign"),
     dict(compressor="topk", overlap=True),
     dict(compressor="powersgd"),
+    dict(compressor="sparseloco", density=0.3, fragments=2, overlap=True),
     dict(compressor=None, fragments=4, overlap=True, mixing=0.25),
 ]
 
@@ -125,6 +126,46 @@ def test_checkpoint_mid_run_continues_bitwise_in_fresh_managers():
     for r in range(W):
         for p, q in zip(got[r], expected[r]):
             assert torch.equal(p, q)
+
+
+def test_a_discarded_round_rolls_sparselocos_accumulators_back():
+    """Replica 1 reports a failure to its manager after its second exchange (the accumulators full since the first):
+    that round is discarded there, so its accumulators, global params and params are what they were before the
+    exchange (no outer step, no error feedback), while the other replicas commit it."""
+    settings = dict(sync_every=H, compressor="sparseloco", density=0.3, outer_lr=1.0, outer_momentum=0.9)
+
+    class FailsOnce(DiLoCo):
+        fails = False
+
+        def _exchange(self, fragment, t, final, group, zero=False):
+            exchange = super()._exchange(fragment, t, final, group, zero)
+            if self.fails and t == 2 * H:
+                self.replicas.manager.report_error(RuntimeError("injected: replica 1's link fails after sending"))
+            return exchange
+
+    def replica(r, address):
+        model, manager = _model(), _manager(r, address)
+        opt = FailsOnce(torch.optim.SGD(model.parameters(), lr=0.05), manager=manager, **settings)
+        opt.fails = r == 1
+        _train(model, opt, r, range(2 * H - 1))
+        before = {"residuals": [e.clone() for e in opt.residuals], "global": [g.clone() for g in opt.global_params]}
+        _train(model, opt, r, range(2 * H - 1, 2 * H))
+        after = {"residuals": [e.clone() for e in opt.residuals], "global": [g.clone() for g in opt.global_params],
+                 "params": [p.detach().clone() for p in model.parameters()], "discarded": opt.replicas.rounds_discarded}
+        manager.shutdown(wait=False)
+        return before, after
+
+    got = _replicas(replica)
+    for r, (before, after) in enumerate(got):
+        assert any(e.abs().sum() > 0 for e in before["residuals"])  # filled by the first exchange
+        kept = [torch.equal(a, b) for a, b in zip(before["residuals"], after["residuals"])]
+        stayed = [torch.equal(a, b) for a, b in zip(before["global"], after["global"])]
+        if r == 1:
+            assert after["discarded"] == 1 and all(kept) and all(stayed)
+            assert not all(torch.equal(p, g) for p, g in zip(after["params"], after["global"]))  # its own params
+        else:
+            assert after["discarded"] == 0 and not all(kept) and not any(stayed)
+            assert all(torch.equal(p, g) for p, g in zip(after["params"], after["global"]))
 
 
 def test_refusals_name_the_argument_before_anything_is_built():

@@ -27,6 +27,8 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "diloco": ("DiLoCoStrategy", dict(sync_every=3)),
     "streaming": ("StreamingDiLoCoStrategy", dict(sync_every=4, fragments=2)),  # overlap: the default
     "diloco_int8": ("DiLoCoStrategy", dict(sync_every=3, compressor="int8")),
+    "diloco_sparseloco": ("DiLoCoStrategy", dict(sync_every=3, compressor="sparseloco", density=0.05, bits=2,
+                                                 outer_lr=1.0, outer_momentum=0.9)),
 }
 
 

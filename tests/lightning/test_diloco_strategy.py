@@ -1,8 +1,9 @@
 """The DiLoCo strategies in a real Trainer on 2 gloo ranks (``diloco_workers.py``): the fit equals a
 one-process simulation of the 2 workers written from the papers (``tests/reference/diloco.py``) fed the
-batches each rank saw; nothing on the wire between synchronisations (the kernel's socket counters) and at
-a synchronisation what the strategy counted; a checkpoint between synchronisations resumes bitwise on every
-rank; a fit that ends between synchronisations takes one more (the simulation's ``finish``) and ends with one
+batches each rank saw (with ``compressor="sparseloco"``: SparseLoCo's aggregate, ``tests/reference/sparseloco.py``,
+whose wire format each exchange sends); nothing on the wire between synchronisations (the kernel's socket
+counters) and at a synchronisation what the strategy counted; a checkpoint between synchronisations resumes
+bitwise on every rank; a fit that ends between synchronisations takes one more (the simulation's ``finish``) and ends with one
 model on every rank, or with ``final_sync=False`` warns that the ranks end apart; a fit shorter than
 ``sync_every`` is named at its start; the Hydra options; refusals. A dead rank: ``test_failures.py``."""
 
@@ -21,6 +22,7 @@ from tests.lightning.comm_hook_workers import _Loss
 from tests.lightning.diloco_workers import CASES, RESUME, STEPS, inner_adamw, suite
 from tests.lightning.workers import MODEL, SEQ_LEN
 from tests.reference.diloco import RefDiLoCo, fragments_of
+from tests.reference.sparseloco import RefSparseLoCoWorkers, message_bytes
 
 WORLD = 2
 
@@ -68,8 +70,14 @@ def _simulate(runs, case: str) -> tuple[list[list[torch.Tensor]], list[torch.Ten
         return by_model
 
     init = runs[0][case]["init"]
+    outer = {}
+    if kw.get("compressor") == "sparseloco":  # no outer momentum: the accumulators, decayed by outer_momentum
+        shapes = [init[i].shape for i in order]
+        outer = dict(outer_lr=kw["outer_lr"], outer_momentum=0.0, nesterov=False, reducers=[RefSparseLoCoWorkers(
+            WORLD, shapes, density=kw["density"], bits=kw["bits"], chunk=4096, decay=kw["outer_momentum"],
+            dtype=torch.float32).step])
     ref = RefDiLoCo([init[i] for i in order], WORLD, make_inner, sync_every=kw["sync_every"], fragments=fragments,
-                    overlap=overlap)
+                    overlap=overlap, **outer)
 
     def grad_fn(w, t, params):
         batch = runs[w][case]["rows"][t - 1]["batch"]
@@ -83,7 +91,7 @@ def _simulate(runs, case: str) -> tuple[list[list[torch.Tensor]], list[torch.Ten
     return out, [torch.cat([p.detach().reshape(-1) for p in model_order(params)]) for params in ref.workers]
 
 
-@pytest.mark.parametrize("case", ["diloco", "streaming"])
+@pytest.mark.parametrize("case", ["diloco", "streaming", "diloco_sparseloco"])
 def test_the_fit_equals_the_two_worker_simulation(runs, case):
     simulated, _ = _simulate(runs, case)
     for rank in range(WORLD):
@@ -188,6 +196,20 @@ def test_an_exchange_is_the_ring_all_reduce_of_its_fragment(runs, case):
         run = runs[rank][case]
         for t, f in syncs.items():
             assert run["rows"][t - 1]["bytes_sent"] == _exchange_bytes(run, case, f), t
+
+
+def test_sparseloco_exchanges_are_its_wire_format(runs):
+    """Each exchange is SparseLoCo's all-gather (the reference's count of positions, codes and levels), the first
+    one with the compressor's layout agreement (one row of 8 int64s to the other rank)."""
+    kw = CASES["diloco_sparseloco"][1]
+    for rank in range(WORLD):
+        run = runs[rank]["diloco_sparseloco"]
+        wire = (WORLD - 1) * sum(message_bytes(n, density=kw["density"], bits=kw["bits"], chunk=4096)
+                                 for n in run["numels"])
+        sent = [run["rows"][t - 1]["bytes_sent"] for t in sorted(_syncs("diloco_sparseloco"))]
+        assert sent == [wire + (WORLD - 1) * 8 * 8] + [wire] * (len(sent) - 1), (sent, wire)
+        plain = ring_allreduce_bytes(sum(run["numels"]), WORLD)
+        assert plain / wire > 20  # 5% of each chunk at 2 bits + int16 positions, against fp32 values
 
 
 def test_int8_outer_gradients_cost_about_a_quarter(runs):

@@ -14,6 +14,8 @@ comm hooks (one bucket tensor), on any torch.distributed backend.
 * :class:`PowerSGDCompressor`, :func:`orthogonalize_` (``powersgd.py``).
 * :class:`Int8Quantizer`, :class:`Int4Quantizer`, :class:`Quantizer` (``quantize.py``): per-chunk scaled
   integer codes, nearest or stochastic rounding; ``start_reduce`` leaves the all-gather in flight.
+* :class:`SparseLoCo` (``sparseloco.py``): SparseLoCo's chunk-wise top-k of a decayed error-feedback
+  accumulator, quantised to 2 bits (DiLoCo's ``compressor="sparseloco"``).
 * :class:`OnebitCompressor` (``onebit.py``): DeepSpeed's error-compensated 1-bit averaging (the 1-bit
   optimizers' compressor; it keeps its worker/server error buffers itself).
 * :func:`agree`, :func:`fingerprint`, :func:`control_device`: re-exported from ``comm/agreement.py``
@@ -30,6 +32,7 @@ from .powersgd import PowerSGDCompressor, orthogonalize_
 from .quantize import Int4Quantizer, Int8Quantizer, Quantizer
 from .sign import ScaledSign, SignPayload
 from .sparse import Blockwise, RandomK, SparsePayload, Sparsifier, TopK, gather_sparse
+from .sparseloco import SparseLoCo, SparseLoCoPayload
 
 __all__ = [
     "Compressor",
@@ -43,6 +46,8 @@ __all__ = [
     "Sparsifier",
     "SparsePayload",
     "gather_sparse",
+    "SparseLoCo",
+    "SparseLoCoPayload",
     "ScaledSign",
     "SignPayload",
     "PowerSGDCompressor",
