@@ -64,8 +64,10 @@ def configs(steps: int) -> dict[str, list[str]]:
     }
 
 
-def common_overrides(steps: int, model: str = "tiny") -> list[str]:
-    return [f"model={model}", f"trainer.max_steps={steps}", f"trainer.val_check_interval={max(1, steps // 10)}",
+def common_overrides(steps: int, model: str = "tiny", val_every: int = 0) -> list[str]:
+    """What every configuration shares; validation every ``val_every`` steps (0: steps / 10)."""
+    val_every = val_every or max(1, steps // 10)
+    return [f"model={model}", f"trainer.max_steps={steps}", f"trainer.val_check_interval={val_every}",
             "trainer.enable_progress_bar=false", "trainer.enable_checkpointing=false", "trainer.devices=2",
             "trainer.accelerator=cpu", "trainer.log_every_n_steps=1"]
 
@@ -86,7 +88,8 @@ def worker(args) -> None:
                       MASTER_PORT=str(args.port), OMP_NUM_THREADS=str(args.threads))
     torch.set_num_threads(args.threads)
     with initialize_config_dir(str(conf_dir()), version_base="1.3"):
-        cfg = compose("train", overrides=common_overrides(args.steps, args.model) + json.loads(args.overrides))
+        cfg = compose("train", overrides=common_overrides(args.steps, args.model, args.val_every)
+                      + json.loads(args.overrides))
     before = comm_stats().copy()
     summary = run(cfg, Path(args.run_dir))
     sent = comm_stats() - before
@@ -113,7 +116,8 @@ def _launch(args, label: str, overrides: list[str], addr: str, prefixes, envs, r
     for rank in range(2):
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--rank", str(rank), "--addr", addr,
                "--port", str(port), "--steps", str(args.steps), "--threads", str(args.threads), "--model", args.model,
-               "--run-dir", str(run_dir), "--overrides", json.dumps(overrides)]
+               "--run-dir", str(run_dir), "--overrides", json.dumps(overrides),
+               "--val-every", str(getattr(args, "val_every", 0))]  # lowcomm_race.py sets it
         if prefixes[rank]:
             cmd = list(prefixes[rank]) + cmd
         procs.append(subprocess.Popen(cmd, cwd=run_dir, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
@@ -245,6 +249,7 @@ def main(argv=None) -> None:
     p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--run-dir", default="", help=argparse.SUPPRESS)
     p.add_argument("--overrides", default="[]", help=argparse.SUPPRESS)
+    p.add_argument("--val-every", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
         worker(args)

@@ -25,6 +25,7 @@ from results_onebit import (
     precision_body,
     precision_plot,
 )
+from results_race import race_body, race_plot
 from results_single import cuda_body, kernels_body, memory_body, optimizers_body
 
 INTRO = """# Results
@@ -108,6 +109,10 @@ SECTIONS: list[Section] = [
             "DiLoCo and Streaming DiLoCo against DDP and 1-bit Adam on a slow link: bytes, time and loss at equal "
             "tokens: `python benchmarks/compressors.py --netns --rate 100mbit --model small`.", diloco_body,
             diloco_plot),
+    Section("Low-communication race", ("lowcomm_race",),
+            "DDP, 1-bit Adam, DiLoCo, Streaming DiLoCo with int4 outer gradients and SparseLoCo on the same job over "
+            "a slow and a fast link: validation loss against training time and bytes, and the time each takes to "
+            "reach DDP's final loss: `python benchmarks/lowcomm_race.py`.", race_body, race_plot),
     Section("Fault-tolerant DiLoCo: goodput with replicas killed", ("fault_tolerance",),
             "Replicas killed and relaunched every T seconds under torchft against a failure-free run and a job that "
             "restarts from its checkpoints: goodput, the cost of a kill, final loss: "

@@ -21,6 +21,10 @@ import results_page  # noqa: E402
 from results_sections import SECTIONS  # noqa: E402
 
 RECORD_KEYS = {"name", "command", "date", "machine", "data"}
+# Benchmarks whose section exists before their figures are measured for the page: the file may be missing (the
+# section says "Not measured yet"); once it is saved every check here applies to it. tests/test_results_race.py
+# renders the race's section from a record its own code makes.
+MEASURED_LATER = {"lowcomm_race"}
 MACHINE_KEYS = {"cpu", "cores", "python", "torch"}
 
 
@@ -31,7 +35,7 @@ def test_page_matches_the_saved_results():
 def test_every_section_has_its_files_and_every_file_a_section():
     saved = results_page.load()
     wanted = {name for section in SECTIONS for name in section.files}
-    assert sorted(wanted - saved.keys()) == [], "sections without their results file"
+    assert sorted(wanted - saved.keys() - MEASURED_LATER) == [], "sections without their results file"
     assert sorted(saved.keys() - wanted) == [], "results files no section reads"
 
 
@@ -58,6 +62,9 @@ def _scaled(value, factor: float):
 @pytest.mark.parametrize("section", SECTIONS, ids=lambda s: s.title)
 def test_a_section_shows_its_files_figures(section):
     saved = results_page.load()
+    missing = [name for name in section.files if name not in saved]
+    if missing and set(missing) <= MEASURED_LATER:
+        pytest.skip(f"{missing}: not measured yet")
     before = section.render(saved)
     changed = copy.deepcopy(saved)
     for name in section.files:

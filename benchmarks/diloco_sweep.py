@@ -1,0 +1,151 @@
+"""The DiLoCo recipe sweep: final validation loss against DDP at equal tokens, on the main job, 2 ranks.
+
+Every configuration runs the main job (``lightning_optim.train`` on a config composed by Hydra, as
+``python -m lightning_optim.train <overrides>`` would) on 2 gloo ranks over loopback with the same model,
+data, seed, inner optimizer (AdamW and its schedule) and step budget as the fp32 DDP run of the same seed; only
+the strategy's overrides change. The loss does not depend on the link, so the sweep needs no shaped network.
+
+    python benchmarks/diloco_sweep.py --model tiny --steps 300 --grid outer
+    python benchmarks/diloco_sweep.py --config 'H=25 lr=1.0: strategy=diloco strategy.sync_every=25 strategy.outer_lr=1.0'
+
+Per configuration and seed: the final validation loss, its gap to DDP's (same seed), the payload bytes per rank
+(``comm_stats()``) and how many times fewer than DDP's ring all-reduce. Runs already in ``--out`` (a
+``rank0.json`` there) are read back, not run again, so a sweep can grow in steps. ``--save`` writes
+``benchmarks/results/diloco_sweep_<model>.json`` with every row in the folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
+from comm import _free_port, machine_facts  # noqa: E402
+from compressors import _collect, _launch  # noqa: E402
+from results import save  # noqa: E402
+
+DDP = ["strategy=ddp", "trainer.devices=2"]
+
+
+def _diloco(h: int, lr: float | None = None, momentum: float | None = None, nesterov: bool | None = None,
+            *extra: str, strategy: str = "diloco") -> list[str]:
+    out = [f"strategy={strategy}", f"strategy.sync_every={h}"]
+    if lr is not None:
+        out.append(f"strategy.outer_lr={lr}")
+    if momentum is not None:
+        out.append(f"strategy.outer_momentum={momentum}")
+    if nesterov is not None:
+        out.append(f"strategy.nesterov={str(nesterov).lower()}")
+    return out + list(extra)
+
+
+def grids() -> dict[str, dict[str, list[str]]]:
+    """Named groups of configurations (label -> the main job's strategy overrides)."""
+    def nesterov(h, lr, mom):
+        return f"DiLoCo H={h} lr={lr} mom={mom} nesterov", _diloco(h, lr, mom, True)
+
+    def averaging(h, lr):
+        return f"DiLoCo H={h} lr={lr} mom=0", _diloco(h, lr, 0.0, False)
+
+    outer = dict([averaging(10, 1.0), averaging(10, 1.3), averaging(10, 1.6), averaging(10, 2.0),
+                  nesterov(10, 0.2, 0.9), nesterov(10, 0.3, 0.9), nesterov(10, 0.5, 0.7), nesterov(10, 0.8, 0.5),
+                  averaging(25, 1.0), averaging(25, 1.5), nesterov(25, 0.3, 0.9), nesterov(25, 0.5, 0.9),
+                  averaging(50, 1.0), averaging(50, 1.5), nesterov(50, 0.5, 0.9), nesterov(50, 0.7, 0.9),
+                  nesterov(10, 0.7, 0.9), nesterov(10, 1.0, 0.9)])
+    return {"outer": outer}
+
+
+def _parse_config(text: str) -> tuple[str, list[str]]:
+    label, _, overrides = text.partition(":")
+    if not overrides.strip():
+        raise SystemExit(f"--config {text!r}: expected 'label: override override ...'")
+    return label.strip(), overrides.split()
+
+
+def _folder(out: Path, label: str, seed: int) -> Path:
+    safe = "".join(c if c.isalnum() or c in "=.-" else "_" for c in label)
+    return out / f"{safe}__seed{seed}"
+
+
+def run_one(args, label: str, overrides: list[str], seed: int) -> dict:
+    folder = _folder(Path(args.out), label, seed)
+    if not (folder / "rank0.json").exists():
+        start = time.perf_counter()
+        _launch(args, label, [*overrides, f"seed={seed}"], "127.0.0.1", (None, None),
+                ({"GLOO_SOCKET_IFNAME": "lo"},) * 2, folder, _free_port())
+        print(f"# {label} seed {seed}: {time.perf_counter() - start:.0f} s", flush=True)
+    result = _collect(folder)
+    return {"label": label, "seed": seed, "overrides": overrides,
+            "final_val_loss": result["ranks"][0]["final_val_loss"],
+            "payload_bytes": max(r["payload_bytes"] for r in result["ranks"]),
+            "num_params": result["ranks"][0]["num_params"], "steps": result["ranks"][0]["steps"],
+            "val_curve": result["val_curve"]}
+
+
+def table(rows: list[dict]) -> list[dict]:
+    """One line per label: the mean final loss over seeds and its gap to DDP's mean over the same seeds."""
+    ddp = {r["seed"]: r["final_val_loss"] for r in rows if r["label"] == "fp32 DDP"}
+    labels = list(dict.fromkeys(r["label"] for r in rows))
+    lines = []
+    for label in labels:
+        mine = [r for r in rows if r["label"] == label]
+        seeds = [r["seed"] for r in mine if r["seed"] in ddp]
+        losses = [r["final_val_loss"] for r in mine if r["seed"] in ddp]
+        if not losses:
+            continue
+        gaps = [(r["final_val_loss"] / ddp[r["seed"]] - 1) * 100 for r in mine if r["seed"] in ddp]
+        ddp_bytes = 4 * mine[0]["num_params"] * mine[0]["steps"]  # the fp32 ring all-reduce on 2 ranks, per rank
+        payload = mine[0]["payload_bytes"] if label != "fp32 DDP" else ddp_bytes
+        lines.append({"label": label, "seeds": seeds, "final_val_loss": statistics.mean(losses),
+                      "gap_pct": statistics.mean(gaps), "gap_pct_each": gaps,
+                      "fewer_bytes_x": ddp_bytes / payload if payload else None, "overrides": mine[0]["overrides"]})
+    lines.sort(key=lambda line: line["gap_pct"])
+    print("| configuration | seeds | final val loss | vs DDP | fewer bytes than DDP |")
+    print("|---|---|---|---|---|")
+    for line in lines:
+        fewer = "-" if line["fewer_bytes_x"] is None else f"{line['fewer_bytes_x']:.0f}x"
+        each = " ".join(f"{g:+.2f}" for g in line["gap_pct_each"])
+        print(f"| {line['label']} | {len(line['seeds'])} | {line['final_val_loss']:.4f} | "
+              f"{line['gap_pct']:+.2f}% ({each}) | {fewer} |")
+    return lines
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--seeds", default="1234", help="comma-separated seeds")
+    p.add_argument("--grid", default="", help=f"a named group: {', '.join(grids())}")
+    p.add_argument("--config", action="append", default=[], help="'label: override override ...' (repeatable)")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--out", default="", help="the runs' folder (default /tmp/diloco_sweep_<model>_<steps>)")
+    p.add_argument("--save", action="store_true", help="write benchmarks/results/diloco_sweep_<model>.json")
+    args = p.parse_args(argv)
+    args.out = args.out or f"/tmp/diloco_sweep_{args.model}_{args.steps}"
+    configs = {"fp32 DDP": DDP}
+    if args.grid:
+        configs.update(grids()[args.grid])
+    configs.update(_parse_config(text) for text in args.config)
+    seeds = [int(s) for s in args.seeds.split(",")]
+    rows = [run_one(args, label, overrides, seed) for seed in seeds for label, overrides in configs.items()]
+    known = {(r["label"], r["seed"]) for r in rows}
+    for folder in sorted(Path(args.out).glob("*__seed*")):  # earlier runs of this folder join the table
+        if (folder / "rank0.json").exists():
+            meta = json.loads((folder / "run.json").read_text())
+            seed = int(folder.name.rsplit("__seed", 1)[1])
+            if (meta["label"], seed) not in known:
+                overrides = [o for o in meta["overrides"] if not o.startswith("seed=")]
+                rows.append(run_one(args, meta["label"], overrides, seed))
+    lines = table(rows)
+    if args.save:
+        save(f"diloco_sweep_{args.model}", {"model": args.model, "steps": args.steps, "machine": machine_facts(),
+                                            "lines": lines, "runs": rows})
+
+
+if __name__ == "__main__":
+    main()
