@@ -247,7 +247,9 @@ def run(config: DictConfig, output_dir: Path, overrides: Sequence[str] | None = 
     trainer.fit(model, datamodule=datamodule)
     train_loss = trainer.callback_metrics.get("train_loss")  # a later validate() clears it
     final_train = None if train_loss is None else float(train_loss)  # None: no training step (max_steps=0)
-    if model.last_val_step != trainer.global_step:  # last scheduled validation was before the end
+    # validate again when the last scheduled validation was before the end, or when the strategy changed the
+    # params after it (DiLoCo's final synchronisation): the final loss is the model's the job hands over
+    if model.last_val_step != trainer.global_step or getattr(trainer.strategy, "params_changed_at_end", False):
         trainer.validate(model, datamodule=datamodule, verbose=False)
     summary = {
         "output_dir": str(output_dir),

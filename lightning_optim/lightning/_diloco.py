@@ -81,6 +81,7 @@ class _DiLoCoMixin(_CommHookStrategyMixin):
         self._diloco_kwargs = {**settings, "mixing": mixing, "compressor": compressor}
         self.diloco: Any = None
         self.final_sync_bytes = 0  # what the last synchronisation at the end of the fit sent
+        self.params_changed_at_end = False  # the end of the fit synchronised (or merged) after its last step
 
     def _step_skips_ddp_allreduce(self) -> bool:
         return True
@@ -114,7 +115,9 @@ class _DiLoCoMixin(_CommHookStrategyMixin):
         if self.diloco is None:
             return
         before = comm_stats().copy()
-        self.diloco.finish(type(self).__name__)  # collective with final_sync: every rank ends its fit here
+        merges = self.diloco.pending is not None and self.diloco.final_sync  # an overlapped exchange in flight
+        # collective with final_sync: every rank ends its fit here
+        self.params_changed_at_end = self.diloco.finish(type(self).__name__) or merges
         sent = comm_stats() - before
         self.final_sync_bytes = sent.bytes_sent
         self.comm_totals["bytes_sent"] += sent.bytes_sent  # sent during the fit, after its last step

@@ -9,6 +9,7 @@ import subprocess
 from pathlib import Path
 
 import hydra
+import pytest
 from omegaconf import OmegaConf
 
 from lightning_optim.config_check import check_config
@@ -105,6 +106,19 @@ def test_cli_diloco_sends_one_all_reduce_per_sync_every_steps(tmp_path: Path):
     assert comm["hook"] == "local" and comm["sync_every"] == 4 and comm["steps_without_ddp_allreduce"] == 8
     assert comm["compression_ratio"] == 4.0  # the fp32 ring all-reduce once per 4 steps instead of every step
     assert "(4.0x less; 8 of 8 steps without DDP's fp32 allreduce)" in result.stdout
+
+
+def test_cli_final_loss_is_the_merged_model_s_after_streaming_diloco_s_last_merge(tmp_path: Path):
+    """strategy=streaming_diloco (2 fragments, overlapped): the exchange started after step 8 merges at the end of
+    the fit, after the validation scheduled at step 8; the job validates again, and its final loss is that of the
+    merged model (another value than the scheduled validation's, logged after it)."""
+    _, summary, run_dir = _run_job(tmp_path, "strategy=streaming_diloco", "strategy.sync_every=4",
+                                   "strategy.fragments=2")
+    with open(run_dir / "metrics.csv", newline="") as handle:
+        losses = [float(r["val_loss"]) for r in csv.DictReader(handle) if r.get("val_loss")]
+    scheduled, after_merge = losses[-2], losses[-1]  # the initial validation, step 8's, then the one after the merge
+    assert len(losses) == 3 and summary["final_val_loss"] == pytest.approx(after_merge, rel=1e-6)
+    assert after_merge != scheduled
 
 
 def test_sparseloco_overrides_compose_into_the_strategy(compose_train):
