@@ -52,15 +52,17 @@ from results import save  # noqa: E402
 WORLD = 2  # ranks; compressors.py's launcher starts two
 DDP = "DDP"
 
-# The recipe: each method's settings in the race (the lead sets the final sync_every / outer values after the
-# DiLoCo sweep). "{freeze_step}" is a quarter of the steps, the full-precision warmup compressors.py gives 1-bit Adam.
+# The recipe (benchmarks/diloco_sweep.py): DiLoCo's outer defaults (lr 0.8, Nesterov momentum 0.5; SparseLoCo: lr 2,
+# decay 0.95) and the inner optimizer as DDP's. "{freeze_step}" is a quarter of the steps, the full-precision warmup
+# compressors.py gives 1-bit Adam.
 RECIPE: dict[str, str] = {
     DDP: "strategy=ddp trainer.devices=2",
     "1-bit Adam": "strategy=onebit_adam strategy.freeze_step={freeze_step}",
-    "DiLoCo": "strategy=diloco strategy.sync_every=25",
+    "DiLoCo": "strategy=diloco strategy.sync_every=10",
+    "DiLoCo int4": "strategy=diloco strategy.sync_every=25 strategy.compressor=int4",
     "Streaming DiLoCo int4": "strategy=streaming_diloco strategy.sync_every=40 strategy.fragments=4 "
                              "strategy.compressor=int4",
-    "SparseLoCo": "strategy=diloco strategy.sync_every=25 strategy.compressor=sparseloco",
+    "SparseLoCo": "strategy=diloco strategy.sync_every=10 strategy.compressor=sparseloco strategy.density=0.03",
 }
 
 

@@ -26,6 +26,7 @@ from results_onebit import (
     precision_plot,
 )
 from results_race import race_body, race_plot
+from results_sweep import sweep_body
 from results_single import cuda_body, kernels_body, memory_body, optimizers_body
 
 INTRO = """# Results
@@ -109,6 +110,10 @@ SECTIONS: list[Section] = [
             "DiLoCo and Streaming DiLoCo against DDP and 1-bit Adam on a slow link: bytes, time and loss at equal "
             "tokens: `python benchmarks/compressors.py --netns --rate 100mbit --model small`.", diloco_body,
             diloco_plot),
+    Section("DiLoCo recipe sweep", ("diloco_sweep_tiny",),
+            "DiLoCo's outer learning rate and momentum, `sync_every`, the inner learning rate and warmup, and the "
+            "compressors, each against DDP at equal tokens on the main job: `python benchmarks/diloco_sweep.py`.",
+            sweep_body),
     Section("Low-communication race", ("lowcomm_race",),
             "DDP, 1-bit Adam, DiLoCo, Streaming DiLoCo with int4 outer gradients and SparseLoCo on the same job over "
             "a slow and a fast link: validation loss against training time and bytes, and the time each takes to "

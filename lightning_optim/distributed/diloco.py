@@ -14,7 +14,7 @@ steps of its own optimizer (Adam(W), SGD, ... ours or torch's: its state stays o
     \ \theta_g - \eta\bar\Delta \text{ for } \mu = 0) \\
     \theta_r \leftarrow \theta_g
 
-with :math:`\eta` = ``outer_lr`` (0.7), :math:`\mu` = ``outer_momentum`` (0.9), :math:`b_0 = 0`: the step
+with :math:`\eta` = ``outer_lr`` (0.8), :math:`\mu` = ``outer_momentum`` (0.5), :math:`b_0 = 0`: the step
 ``torch.optim.SGD(lr=outer_lr, momentum=outer_momentum, nesterov=nesterov)`` takes with :math:`\bar\Delta` as
 the gradient. Between synchronisations nothing is sent at all. (The outer arguments left None take the recipe's
 defaults, ``diloco_checks.OUTER_DEFAULTS``: the numbers here for DiLoCo, others for SparseLoCo.)

@@ -57,7 +57,7 @@ def mean_of(per_worker: Sequence[Sequence[torch.Tensor]]) -> list[torch.Tensor]:
 
 class RefDiLoCo:
     def __init__(self, init: Sequence[torch.Tensor], world: int, make_inner: Callable, *, sync_every: int,
-                 outer_lr: float = 0.7, outer_momentum: float = 0.9, nesterov: bool = True, fragments: int = 1,
+                 outer_lr: float = 0.8, outer_momentum: float = 0.5, nesterov: bool = True, fragments: int = 1,
                  overlap: bool = False, mixing: float = 0.5, reducers: Sequence[Callable] | None = None):
         self.world, self.H, self.F = world, sync_every, fragments
         self.lr, self.mu, self.nesterov, self.overlap, self.alpha = outer_lr, outer_momentum, nesterov, overlap, mixing
