@@ -5,8 +5,9 @@ Every configuration runs the main job (``lightning_optim.train`` on a config com
 data, seed, inner optimizer (AdamW and its schedule) and step budget as the fp32 DDP run of the same seed; only
 the strategy's overrides change. The loss does not depend on the link, so the sweep needs no shaped network.
 
-    python benchmarks/diloco_sweep.py --model tiny --steps 300 --grid outer
-    python benchmarks/diloco_sweep.py --config 'H=25 lr=1.0: strategy=diloco strategy.sync_every=25 strategy.outer_lr=1.0'
+    python benchmarks/diloco_sweep.py --grid all --save              # every configuration, seed 1234
+    python benchmarks/diloco_sweep.py --grid seeds --seeds 7 --save    # the closest ones on a second seed
+    python benchmarks/diloco_sweep.py --config 'H=5: strategy=diloco strategy.sync_every=5'   # one more
 
 Per configuration and seed: the final validation loss, its gap to DDP's (same seed), the payload bytes per rank
 (``comm_stats()``) and how many times fewer than DDP's ring all-reduce. Runs already in ``--out`` (a
@@ -21,6 +22,7 @@ import json
 import statistics
 import sys
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -44,20 +46,48 @@ def _diloco(h: int, lr: float | None = None, momentum: float | None = None, nest
     return out + list(extra)
 
 
+def _named(label: str, *overrides: str) -> tuple[str, list[str]]:
+    return label, list(overrides)
+
+
 def grids() -> dict[str, dict[str, list[str]]]:
-    """Named groups of configurations (label -> the main job's strategy overrides)."""
-    def nesterov(h, lr, mom):
-        return f"DiLoCo H={h} lr={lr} mom={mom} nesterov", _diloco(h, lr, mom, True)
+    """Named groups of configurations (label -> the main job's strategy overrides); ``all`` is every one the results
+    page shows for seed 1234, ``seeds`` those also run with ``--seeds 7``."""
+    def dense(h, lr, mom, *extra, strategy="diloco", fragments=None):
+        name = "Streaming DiLoCo" if strategy != "diloco" else "DiLoCo"
+        shape = f"H={h}" + (f" F={fragments}" if fragments else "")
+        tail = f"mom={mom} nesterov" if mom else "mom=0"
+        label = f"{name} {shape} lr={lr} {tail}"
+        more = [f"strategy.fragments={fragments}"] if fragments else []
+        for e in extra:
+            key, value = e.split("=", 1)
+            label += {"strategy.compressor": f" {value}", "optimizer.lr": f" inner lr={value}",
+                      "scheduler.warmup_steps": f" warmup={value}"}[key]
+        if "strategy.compressor" in " ".join(extra) and mom:
+            label = label.replace(" nesterov", "")
+        return label, _diloco(h, lr, mom, bool(mom), *more, *extra, strategy=strategy)
 
-    def averaging(h, lr):
-        return f"DiLoCo H={h} lr={lr} mom=0", _diloco(h, lr, 0.0, False)
+    def sparse(h, lr, density, decay=None):
+        label = f"SparseLoCo H={h} lr={lr} density={density}" + (f" decay={decay}" if decay else "")
+        extra = [] if density == "1/64" else [f"strategy.density={density}"]
+        return label, _diloco(h, lr, decay, None, "strategy.compressor=sparseloco", *extra)
 
-    outer = dict([averaging(10, 1.0), averaging(10, 1.3), averaging(10, 1.6), averaging(10, 2.0),
-                  nesterov(10, 0.2, 0.9), nesterov(10, 0.3, 0.9), nesterov(10, 0.5, 0.7), nesterov(10, 0.8, 0.5),
-                  averaging(25, 1.0), averaging(25, 1.5), nesterov(25, 0.3, 0.9), nesterov(25, 0.5, 0.9),
-                  averaging(50, 1.0), averaging(50, 1.5), nesterov(50, 0.5, 0.9), nesterov(50, 0.7, 0.9),
-                  nesterov(10, 0.7, 0.9), nesterov(10, 1.0, 0.9)])
-    return {"outer": outer}
+    runs = [dense(h, lr, 0.9) for h, lr in ((10, 0.2), (10, 0.3), (10, 0.5), (10, 0.7), (50, 0.7))]
+    runs += [dense(10, 0.5, 0.7), dense(10, 0.6, 0.5), dense(10, 0.8, 0.5), dense(10, 1.0, 0.5), dense(10, 0.9, 0.3),
+             dense(25, 0.8, 0.5), dense(50, 0.8, 0.5)]
+    runs += [dense(h, lr, 0) for h, lr in ((10, 1.0), (10, 1.3), (10, 1.6), (10, 2.0), (25, 1.0))]
+    runs += [dense(10, 0.8, 0.5, "strategy.compressor=int4"), dense(25, 0.8, 0.5, "strategy.compressor=int4"),
+             dense(40, 0.8, 0.5, "strategy.compressor=int4", strategy="streaming_diloco", fragments=4)]
+    runs += [dense(10, 0.8, 0.5, f"optimizer.lr={lr}") for lr in ("2e-3", "4.5e-3", "6e-3")]
+    runs += [dense(25, 0.8, 0.5, "strategy.compressor=int4", "optimizer.lr=4.5e-3"),
+             dense(10, 0.8, 0.5, "scheduler.warmup_steps=60"),
+             _named("fp32 DDP inner lr=4.5e-3", *DDP, "optimizer.lr=4.5e-3"),
+             _named("fp32 DDP warmup=60", *DDP, "scheduler.warmup_steps=60")]
+    runs += [sparse(10, 1.0, "1/64"), sparse(10, 1.0, "1/64", 0.8), sparse(10, 1.0, 0.03), sparse(10, 1.0, 0.06),
+             sparse(10, 1.5, 0.06), sparse(10, 2.0, 0.06), sparse(10, 2.0, 0.03), sparse(10, 3.0, 0.03),
+             sparse(25, 1.0, 0.08), sparse(25, 2.0, 0.08)]
+    seeds = [dense(10, 0.8, 0.5), dense(10, 0.8, 0.5, "strategy.compressor=int4")]
+    return {"all": dict(runs), "seeds": dict(seeds)}
 
 
 def _parse_config(text: str) -> tuple[str, list[str]]:
@@ -80,7 +110,8 @@ def run_one(args, label: str, overrides: list[str], seed: int) -> dict:
                 ({"GLOO_SOCKET_IFNAME": "lo"},) * 2, folder, _free_port())
         print(f"# {label} seed {seed}: {time.perf_counter() - start:.0f} s", flush=True)
     result = _collect(folder)
-    return {"label": label, "seed": seed, "overrides": overrides,
+    finished = datetime.fromtimestamp((folder / "rank0.json").stat().st_mtime, timezone.utc)
+    return {"label": label, "seed": seed, "overrides": overrides, "finished": finished.strftime("%Y-%m-%d %H:%M UTC"),
             "final_val_loss": result["ranks"][0]["final_val_loss"],
             "payload_bytes": max(r["payload_bytes"] for r in result["ranks"]),
             "num_params": result["ranks"][0]["num_params"], "steps": result["ranks"][0]["steps"],
@@ -100,7 +131,7 @@ def table(rows: list[dict]) -> list[dict]:
             continue
         gaps = [(r["final_val_loss"] / ddp[r["seed"]] - 1) * 100 for r in mine if r["seed"] in ddp]
         ddp_bytes = 4 * mine[0]["num_params"] * mine[0]["steps"]  # the fp32 ring all-reduce on 2 ranks, per rank
-        payload = mine[0]["payload_bytes"] if label != "fp32 DDP" else ddp_bytes
+        payload = mine[0]["payload_bytes"] if not label.startswith("fp32 DDP") else ddp_bytes
         lines.append({"label": label, "seeds": seeds, "final_val_loss": statistics.mean(losses),
                       "gap_pct": statistics.mean(gaps), "gap_pct_each": gaps,
                       "fewer_bytes_x": ddp_bytes / payload if payload else None, "overrides": mine[0]["overrides"]})
@@ -143,8 +174,9 @@ def main(argv=None) -> None:
                 rows.append(run_one(args, meta["label"], overrides, seed))
     lines = table(rows)
     if args.save:
+        finished = sorted(r["finished"] for r in rows)
         save(f"diloco_sweep_{args.model}", {"model": args.model, "steps": args.steps, "machine": machine_facts(),
-                                            "lines": lines, "runs": rows})
+                                            "runs_made": [finished[0], finished[-1]], "lines": lines, "runs": rows})
 
 
 if __name__ == "__main__":

@@ -16,16 +16,38 @@ def _reach(r: dict) -> str:
     return f"{x(r['time_to_ddp_loss_x'])} ({f(r['time_to_ddp_loss_s'], 1)} s)"
 
 
+def ddp_loss_at(ddp: dict, seconds: float) -> float | None:
+    """DDP's validation loss after ``seconds`` of training, interpolated linearly between its validations (None past
+    its last one)."""
+    points = list(zip(ddp["train_s"], ddp["val_loss"]))
+    for (t0, v0), (t1, v1) in zip(points, points[1:]):
+        if t0 <= seconds <= t1:
+            return v0 if t1 == t0 else v0 + (v1 - v0) * (seconds - t0) / (t1 - t0)
+    return None
+
+
+def _same_time(r: dict, ddp: dict | None) -> str:
+    """The method's final loss against DDP's after the same training time."""
+    if r is ddp:
+        return ""
+    if ddp is None:  # no DDP run at this rate to set it against
+        return "-"
+    at = ddp_loss_at(ddp, r["train_s"][-1])
+    return "-" if at is None else pct((r["final_val_loss"] / at - 1) * 100, 2, sign=True)
+
+
 def race_table(d: dict) -> list[str]:
     rows = []
     for rate, per_rate in d["rates"].items():
+        ddp_row = next((r for r in per_rate["rows"] if r["label"] == DDP), None)
         for i, r in enumerate(per_rate["rows"]):
             ddp = r["label"] == DDP
             rows.append([rate if i == 0 else "", r["label"], ("~" if r["bytes_computed"] else "")
                          + f(r["sent_mb_per_rank"], 1), "" if ddp else x(r["fewer_x"], 1), f(r["final_val_loss"], 4),
-                         "" if ddp else pct(r["vs_ddp_pct"], 2, sign=True), _reach(r)])
-    return table(["link", "method", "MB sent per rank", "fewer bytes than DDP", "final val loss", "vs DDP",
-                  "time to DDP's final loss (x DDP's training time)"], rows, "llrrrrl")
+                         "" if ddp else pct(r["vs_ddp_pct"], 2, sign=True), _reach(r), _same_time(r, ddp_row)])
+    return table(["link", "method", "MB sent per rank", "fewer bytes than DDP", "final val loss",
+                  "vs DDP (equal tokens)", "time to DDP's final loss (x DDP's training time)",
+                  "vs DDP after the same training time"], rows, "llrrrrlr")
 
 
 def race_method(d: dict) -> str:
@@ -42,7 +64,9 @@ def race_method(d: dict) -> str:
             "slower rank's sum of its per-step wall times (the exchanges inside the steps included, validation left "
             "out). Time to DDP's final loss: the first validation at or under DDP's final validation loss at the same "
             "rate, its time interpolated linearly between the two validations that bracket the crossing, divided by "
-            "DDP's whole training time; never: not reached within the steps.")
+            "DDP's whole training time; never: not reached within the steps. After the same training time: the "
+            "method's final loss against DDP's validation loss interpolated at the method's whole training time (a "
+            "method that trains faster than DDP ends earlier; - where DDP had not trained that long).")
 
 
 def _reading(d: dict) -> str:
@@ -54,11 +78,16 @@ def _reading(d: dict) -> str:
         reached = sorted((r for r in others if r["time_to_ddp_loss_x"] is not None),
                          key=lambda r: r["time_to_ddp_loss_x"])
         closest = min(others, key=lambda r: r["vs_ddp_pct"])
+        frugal = [r for r in others if r["fewer_x"] is not None and r["fewer_x"] >= 100]
+        best_frugal = min(frugal, key=lambda r: r["vs_ddp_pct"]) if frugal else None
         text = (f"at `{rate}`, " + (f"{reached[0]['label']} reaches DDP's final loss first, in "
                                      f"{x(reached[0]['time_to_ddp_loss_x'])} DDP's time" if reached
                                      else "no method reaches DDP's final loss within the steps")
                 + f"; the closest final loss is {closest['label']}'s ({pct(closest['vs_ddp_pct'], 2, sign=True)}, "
-                  f"with {x(closest['fewer_x'], 0)} fewer bytes)")
+                  f"with {x(closest['fewer_x'], 0)} fewer bytes)"
+                + ("" if best_frugal is None else
+                   f"; of the methods sending at least 100x fewer bytes, {best_frugal['label']} ends closest "
+                   f"({pct(best_frugal['vs_ddp_pct'], 2, sign=True)} with {x(best_frugal['fewer_x'], 0)} fewer)"))
         parts.append(text)
     if not parts:
         return "Without a DDP run there is nothing to set the methods against."

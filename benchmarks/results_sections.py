@@ -167,6 +167,22 @@ def _slow_link(r: dict) -> str:
             f"{_section(('compressors_small_100mbit',))}")
 
 
+def _race(r: dict) -> str:
+    from results_race import ddp_loss_at
+
+    d = r["lowcomm_race"]["data"]
+    rate = next(iter(d["rates"]))
+    rows = {row["label"]: row for row in d["rates"][rate]["rows"]}
+    ddp, frugal = rows["DDP"], min((row for row in rows.values() if (row["fewer_x"] or 0) >= 100),
+                                   key=lambda row: row["vs_ddp_pct"])
+    at = ddp_loss_at(ddp, frugal["train_s"][-1])
+    same_time = "" if at is None else f"{(frugal['final_val_loss'] / at - 1) * 100:+.1f}% against DDP's loss after the " \
+                                      "same training time, "
+    return (f"**{frugal['label']} at {rate}**: {frugal['fewer_x']:.0f}x fewer bytes than DDP, {same_time}"
+            f"{frugal['vs_ddp_pct']:+.1f}% at equal tokens ({d['steps']} steps of the `{d['model']}` model). "
+            f"{_section(('lowcomm_race',))}")
+
+
 def _gpu(r: dict) -> str:
     rows = r["kernels_cuda"]["data"]["rows"]
     ours = {row["case"]: row["ratio"] for row in rows if row["contender"].endswith("cuda kernels")}
@@ -185,7 +201,8 @@ def _converges(r: dict) -> str:
 
 
 HEADLINES: list[tuple[tuple[str, ...], Callable[[dict], str]]] = [
-    (("comm_netns",), _allreduce), (("compressors_small_100mbit",), _slow_link), (("kernels_cuda",), _gpu),
+    (("comm_netns",), _allreduce), (("compressors_small_100mbit",), _slow_link), (("lowcomm_race",), _race),
+    (("kernels_cuda",), _gpu),
     (("convergence",), _converges)]
 
 

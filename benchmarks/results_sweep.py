@@ -16,7 +16,8 @@ def sweep_body(rec: dict) -> list[str]:
             f"{d['steps']} steps at equal tokens (every configuration sees the same batches as the fp32 DDP run of its "
             "seed); only the overrides change. Final validation loss, its gap to fp32 DDP's of the same seed (mean over "
             "the seeds run, then each), and the payload bytes per rank against DDP's fp32 ring all-reduce. Sorted by "
-            "the gap.", "",
+            f"the gap. The command reads back the runs already in its folder: these were made between "
+            f"{d['runs_made'][0]} and {d['runs_made'][1]}, on the machine above.", "",
             *table(["configuration", "seeds", "final val loss", "vs DDP", "each seed", "fewer bytes than DDP",
                     "overrides"], rows, "lrrrrrl"),
             *reading(f"The closest to DDP is {best['label']} ({pct(best['gap_pct'], 2, sign=True)}). A gap under a "

@@ -123,3 +123,15 @@ def test_the_race_section_shows_its_files_figures(record):
     [(name, figure)] = section.plots(record, plt)
     assert name == "lowcomm_race.png" and len(figure.axes) == 3  # one panel per rate, and the bytes
     plt.close(figure)
+
+
+def test_ddp_loss_at_a_time_is_read_off_its_curve():
+    """DDP's loss after a given training time: linear between the validations that bracket it, exact at a validation,
+    None past DDP's last one (a method that trained longer than DDP has nothing to compare with)."""
+    import results_race
+
+    ddp = {"train_s": [0.0, 10.0, 30.0], "val_loss": [5.0, 3.0, 2.0]}
+    assert results_race.ddp_loss_at(ddp, 10.0) == 3.0
+    assert results_race.ddp_loss_at(ddp, 20.0) == pytest.approx(2.5)
+    assert results_race.ddp_loss_at(ddp, 5.0) == pytest.approx(4.0)
+    assert results_race.ddp_loss_at(ddp, 31.0) is None
