@@ -7,12 +7,15 @@ the strategy's overrides change. The loss does not depend on the link, so the sw
 
     python benchmarks/diloco_sweep.py --grid all --save              # every configuration, seed 1234
     python benchmarks/diloco_sweep.py --grid seeds --seeds 7 --save    # the closest ones on a second seed
+    python benchmarks/diloco_sweep.py --grid longer --steps 1000 --save   # the recipe over 1000 steps
+    python benchmarks/diloco_sweep.py --grid small --model small --save   # and on the small model
     python benchmarks/diloco_sweep.py --config 'H=5: strategy=diloco strategy.sync_every=5'   # one more
 
 Per configuration and seed: the final validation loss, its gap to DDP's (same seed), the payload bytes per rank
 (``comm_stats()``) and how many times fewer than DDP's ring all-reduce. Runs already in ``--out`` (a
 ``rank0.json`` there) are read back, not run again, so a sweep can grow in steps. ``--save`` writes
-``benchmarks/results/diloco_sweep_<model>.json`` with every row in the folder.
+``benchmarks/results/diloco_sweep_<model>.json`` (``_<steps>`` added for other lengths than 300) with every row in
+the folder.
 """
 
 from __future__ import annotations
@@ -87,7 +90,9 @@ def grids() -> dict[str, dict[str, list[str]]]:
              sparse(10, 1.5, 0.06), sparse(10, 2.0, 0.06), sparse(10, 2.0, 0.03), sparse(10, 3.0, 0.03),
              sparse(25, 1.0, 0.08), sparse(25, 2.0, 0.08)]
     seeds = [dense(10, 0.8, 0.5), dense(10, 0.8, 0.5, "strategy.compressor=int4")]
-    return {"all": dict(runs), "seeds": dict(seeds)}
+    longer = [dense(10, 0.8, 0.5), dense(25, 0.8, 0.5, "strategy.compressor=int4"), dense(10, 0.7, 0.9),
+              sparse(10, 2.0, 0.03)]
+    return {"all": dict(runs), "seeds": dict(seeds), "longer": dict(longer), "small": dict([dense(10, 0.8, 0.5), dense(10, 0.7, 0.9), dense(10, 1.0, 0)])}
 
 
 def _parse_config(text: str) -> tuple[str, list[str]]:
@@ -155,7 +160,7 @@ def main(argv=None) -> None:
     p.add_argument("--config", action="append", default=[], help="'label: override override ...' (repeatable)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", default="", help="the runs' folder (default /tmp/diloco_sweep_<model>_<steps>)")
-    p.add_argument("--save", action="store_true", help="write benchmarks/results/diloco_sweep_<model>.json")
+    p.add_argument("--save", action="store_true", help="write benchmarks/results/diloco_sweep_<model>[_<steps>].json")
     args = p.parse_args(argv)
     args.out = args.out or f"/tmp/diloco_sweep_{args.model}_{args.steps}"
     configs = {"fp32 DDP": DDP}
@@ -175,7 +180,8 @@ def main(argv=None) -> None:
     lines = table(rows)
     if args.save:
         finished = sorted(r["finished"] for r in rows)
-        save(f"diloco_sweep_{args.model}", {"model": args.model, "steps": args.steps, "machine": machine_facts(),
+        name = f"diloco_sweep_{args.model}" + ("" if args.steps == 300 else f"_{args.steps}")
+        save(name, {"model": args.model, "steps": args.steps, "machine": machine_facts(),
                                             "runs_made": [finished[0], finished[-1]], "lines": lines, "runs": rows})
 
 

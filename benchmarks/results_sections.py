@@ -110,7 +110,7 @@ SECTIONS: list[Section] = [
             "DiLoCo and Streaming DiLoCo against DDP and 1-bit Adam on a slow link: bytes, time and loss at equal "
             "tokens: `python benchmarks/compressors.py --netns --rate 100mbit --model small`.", diloco_body,
             diloco_plot),
-    Section("DiLoCo recipe sweep", ("diloco_sweep_tiny",),
+    Section("DiLoCo recipe sweep", ("diloco_sweep_tiny", "diloco_sweep_tiny_1000", "diloco_sweep_small"),
             "DiLoCo's outer learning rate and momentum, `sync_every`, the inner learning rate and warmup, and the "
             "compressors, each against DDP at equal tokens on the main job: `python benchmarks/diloco_sweep.py`.",
             sweep_body),
