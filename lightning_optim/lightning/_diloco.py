@@ -67,7 +67,8 @@ class _DiLoCoMixin(_CommHookStrategyMixin):
     _defaults: ClassVar[dict[str, Any]] = {"sync_every": 25, "fragments": 1, "overlap": False}
 
     def __init__(self, sync_every: int | None = None, outer_lr: float | None = None,
-                 outer_momentum: float | None = None, nesterov: bool | None = None, fragments: int | None = None, overlap: bool | None = None,
+                 outer_momentum: float | None = None, nesterov: bool | None = None, fragments: int | None = None,
+                 overlap: bool | None = None,
                  mixing: float | None = None, compressor: Any = None, final_sync: bool = True,
                  density: float | None = None, bits: int | None = None, **kwargs: Any) -> None:
         name = type(self).__name__
