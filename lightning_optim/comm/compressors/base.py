@@ -115,8 +115,8 @@ class LocalCompressor(Compressor):
         """Every rank's messages combined, one dense 1-D aggregate per payload (mean or sum)."""
 
     def compress_all(self, tensors: Sequence[Tensor], residuals: Sequence[Tensor] | None) -> list[Any]:
-        """This rank's message per tensor; with ``residuals``, error feedback: compress ``t + e`` and keep in
-        ``e`` what the message lost (``e <- (t + e) - decompress(message)``)."""
+        """This rank's message per tensor; with ``residuals``, error feedback: compress ``c = accumulate(t, e)``
+        (``t + e``) and keep in ``e`` what the message lost (``e <- c - decompress(message)``)."""
         payloads = []
         for i, t in enumerate(tensors):
             flat = t.detach().reshape(-1)
@@ -124,11 +124,16 @@ class LocalCompressor(Compressor):
                 payloads.append(self.compress(flat))
                 continue
             e = residuals[i].view(-1)
-            corrected = compensate(flat, e)
+            corrected = self.accumulate(flat, e)
             payload = self.compress(corrected)
             absorb_(e, corrected, self.decompress(payload))
             payloads.append(payload)
         return payloads
+
+    def accumulate(self, flat: Tensor, residual: Tensor) -> Tensor:
+        """What error feedback compresses: ``t + e`` (a compressor with another rule, e.g. a decayed accumulator,
+        overrides it)."""
+        return compensate(flat, residual)
 
     def reduce(self, tensors: Sequence[Tensor], residuals: Sequence[Tensor] | None = None, *, group=None,
                average: bool = True, stats: CommStats | None = None) -> list[Tensor]:

@@ -204,21 +204,10 @@ class SparseLoCo(LocalCompressor):
         out[where] = values.to(payload.dtype)
         return out
 
-    def compress_all(self, tensors: Sequence[Tensor], residuals: Sequence[Tensor] | None) -> list[SparseLoCoPayload]:
-        """This rank's message per tensor; with ``residuals`` (the accumulators): ``e <- decay * e + t``, send
-        ``C(e)``, ``e <- e - C(e)``; without: ``C(t)``."""
-        payloads = []
-        for i, t in enumerate(tensors):
-            flat = t.detach().reshape(-1)
-            if residuals is None:
-                payloads.append(self.compress(flat))
-                continue
-            e = residuals[i].view(-1)
-            e.mul_(self.decay).add_(flat)
-            payload = self.compress(e)
-            e.sub_(self.decompress(payload).to(e.dtype))
-            payloads.append(payload)
-        return payloads
+    def accumulate(self, flat: Tensor, residual: Tensor) -> Tensor:
+        """The accumulator rule: ``e <- decay * e + t`` in place; ``e`` is what is compressed (and what it did not
+        send stays in it)."""
+        return residual.mul_(self.decay).add_(flat)
 
     # ------------------------------------------------------------------ the collective
     def _wire(self, payloads: Sequence[SparseLoCoPayload]) -> Tensor:
