@@ -46,7 +46,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
 from comm import NETNS_ADDRS, NetnsUnavailable, machine_facts, netns_pair  # noqa: E402
-from compressors import _collect, _cumulative, _launch  # noqa: E402
+from compressors import _collect, _cumulative, _launch, only  # noqa: E402
 from results import save  # noqa: E402
 
 WORLD = 2  # ranks; compressors.py's launcher starts two
@@ -218,13 +218,7 @@ def main(argv: list[str] | None = None) -> None:
     rates = [r.strip() for r in args.rates.split(",") if r.strip()]
     if not rates:
         p.error("--rates: give at least one tc rate (e.g. 100mbit)")
-    chosen = race_configs(args.steps)
-    if args.only:
-        wanted = [name.strip() for name in args.only.split(",")]
-        unknown = [w for w in wanted if w not in chosen]
-        if unknown:
-            p.error(f"--only: unknown {unknown}; choose from {list(chosen)}")
-        chosen = {k: v for k, v in chosen.items() if k in wanted}
+    chosen = only(p, race_configs(args.steps), args.only)
     out = Path(args.out or Path(tempfile.gettempdir()) / f"lowcomm_race_{args.model}_{args.steps}")
     results: dict[str, dict] = {}
     failed: list[str] = []

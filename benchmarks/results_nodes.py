@@ -141,8 +141,8 @@ def diloco_body(rec: dict) -> list[str]:
                                  f"{pct(r['vs_fp32_pct'], 1, sign=True)} from its loss" for r in diloco)
                      + (f"; 1-bit Adam ends {pct(by['1-bit Adam']['vs_fp32_pct'], 2, sign=True)} with "
                         f"{x(by['1-bit Adam']['fewer_x'], 0)} fewer bytes" if "1-bit Adam" in by else "")
-                     + ". A run this short gives DiLoCo only a few outer steps; the gap to DDP's loss is the "
-                       "open question of this method at small scale.")]
+                     + ". These runs use the papers' outer step (lr 0.7, Nesterov momentum 0.9); the tuned recipe "
+                       "and its race are in the sections below.")]
 
 
 def diloco_plot(plt, rec: dict) -> list:

@@ -242,3 +242,21 @@ def finish_suite(rank: int, world: int) -> dict:
     again.finish()
     out["resumed"] = [p.detach().clone() for p in fresh]
     return out
+
+
+def twin_run(opt, params, inner, twin, outer, global_params, steps: int = 7, every: int = 3) -> None:
+    """``steps`` steps of ``opt`` (DiLoCo on one rank) on ``params`` beside its hand-made twin: ``inner`` on ``twin``
+    and, every ``every`` steps, ``outer`` (a torch.optim.SGD over ``global_params``) on the gradient theta_g - theta,
+    then theta <- theta_g. Both sides get the same gradients (``fill_grads``)."""
+    for t in range(1, steps + 1):
+        for o, ps in ((opt, params), (inner, twin)):
+            o.zero_grad()
+            fill_grads(0, t, ps)
+            o.step()
+        if t % every == 0:
+            for g, p in zip(global_params, twin):
+                g.grad = g - p.detach()
+            outer.step()
+            with torch.no_grad():
+                for g, p in zip(global_params, twin):
+                    p.copy_(g)

@@ -21,7 +21,16 @@ from lightning_optim.distributed import DiLoCo
 from lightning_optim.distributed.diloco_schedule import fragment_bounds, syncing_fragment
 from tests.distributed import run_workers
 from tests.distributed_optim import diloco_workers as dw
-from tests.distributed_optim.diloco_workers import CONFIGS, DT, SHAPES, STEPS, fill_grads, init_params, make_inner
+from tests.distributed_optim.diloco_workers import (
+    CONFIGS,
+    DT,
+    SHAPES,
+    STEPS,
+    fill_grads,
+    init_params,
+    make_inner,
+    twin_run,
+)
 from tests.ranks import run_ranks
 from tests.reference.compressors import RefCompressedWorkers
 from tests.reference.diloco import RefDiLoCo, fragments_of
@@ -187,18 +196,7 @@ def test_one_rank_is_torch_sgd_on_the_pseudo_gradient():
     inner = torch.optim.SGD(twin, lr=0.05, momentum=0.9)
     global_params = [p.detach().clone() for p in twin]
     outer = torch.optim.SGD(global_params, lr=0.6, momentum=0.8, nesterov=True)
-    for t in range(1, 8):
-        for o, ps in ((opt, params), (inner, twin)):
-            o.zero_grad()
-            fill_grads(0, t, ps)
-            o.step()
-        if t % 3 == 0:
-            for g, p in zip(global_params, twin):
-                g.grad = g - p.detach()
-            outer.step()
-            with torch.no_grad():
-                for g, p in zip(global_params, twin):
-                    p.copy_(g)
+    twin_run(opt, params, inner, twin, outer, global_params)
     assert all(torch.equal(a, b) for a, b in zip(params, twin))
 
 

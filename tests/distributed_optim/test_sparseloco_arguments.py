@@ -15,7 +15,7 @@ import torch
 from lightning_optim.comm.compressors import SparseLoCo, TopK
 from lightning_optim.distributed import DiLoCo
 from lightning_optim.distributed.diloco_checks import check_diloco_arguments
-from tests.distributed_optim.diloco_workers import DT, SHAPES, fill_grads, init_params
+from tests.distributed_optim.diloco_workers import DT, SHAPES, init_params, twin_run
 
 GUIDE = Path(__file__).resolve().parents[2] / "docs" / "guides" / "low_communication.md"
 # argument -> bad values (label, value, error, words)
@@ -149,17 +149,6 @@ def test_one_rank_sends_nothing_and_takes_plain_sgd_on_the_pseudo_gradient():
     inner = torch.optim.SGD(twin, lr=0.05, momentum=0.9)
     global_params = [p.detach().clone() for p in twin]
     outer = torch.optim.SGD(global_params, lr=0.6)
-    for t in range(1, 8):
-        for o, ps in ((opt, params), (inner, twin)):
-            o.zero_grad()
-            fill_grads(0, t, ps)
-            o.step()
-        if t % 3 == 0:
-            for g, p in zip(global_params, twin):
-                g.grad = g - p.detach()
-            outer.step()
-            with torch.no_grad():
-                for g, p in zip(global_params, twin):
-                    p.copy_(g)
+    twin_run(opt, params, inner, twin, outer, global_params)
     assert all(torch.equal(a, b) for a, b in zip(params, twin))
     assert all(e is None for e in opt.residuals)
