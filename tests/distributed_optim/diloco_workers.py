@@ -110,18 +110,7 @@ def _run(name: str, rank: int, group) -> dict:
     per_step: list[dict] = []
     with counting_collectives() as counter:
         history = _steps(opt, params, rank, range(1, STEPS + 1), per_step, counter)
-    # checkpoint mid-round in a second run, resumed in fresh objects
-    first = [p.requires_grad_() for p in init_params()]
-    opt1 = build(name, first, group)
-    _steps(opt1, first, rank, range(1, cfg["split"] + 1))
-    buf = io.BytesIO()
-    torch.save({"params": [p.detach() for p in first], "opt": opt1.state_dict()}, buf)
-    buf.seek(0)
-    saved = torch.load(buf, weights_only=True)
-    second = [p.clone().requires_grad_() for p in saved["params"]]
-    opt2 = build(name, second, group)
-    opt2.load_state_dict(saved["opt"])
-    resumed = _steps(opt2, second, rank, range(cfg["split"] + 1, STEPS + 1))
+    resumed, saved = resumed_run(build, name, group, rank, cfg["split"], STEPS)  # checkpoint mid-round
     syncs = [syncing_fragment(t, opt.sync_every, opt.fragments) for t in range(1, STEPS + 1)]
     numels = [[p.numel() for p in params[lo:hi]] for lo, hi in opt.bounds]
     predicted = [None if c is None else c.bytes_sent(n, opt._origin()[0]) for c, n in zip(opt.compressors, numels)]
@@ -260,3 +249,20 @@ def twin_run(opt, params, inner, twin, outer, global_params, steps: int = 7, eve
             with torch.no_grad():
                 for g, p in zip(global_params, twin):
                     p.copy_(g)
+
+
+def resumed_run(build, name: str, group, rank: int, split: int, steps: int) -> tuple[list, dict]:
+    """A second run of ``build(name, params, group)`` saved (params and ``state_dict()``, through ``torch.save``)
+    after step ``split``, then resumed in fresh objects to step ``steps``: the history of the resumed steps, and
+    what was saved."""
+    first = [p.requires_grad_() for p in init_params()]
+    opt1 = build(name, first, group)
+    _steps(opt1, first, rank, range(1, split + 1))
+    buf = io.BytesIO()
+    torch.save({"params": [p.detach() for p in first], "opt": opt1.state_dict()}, buf)
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=True)
+    second = [p.clone().requires_grad_() for p in saved["params"]]
+    opt2 = build(name, second, group)
+    opt2.load_state_dict(saved["opt"])
+    return _steps(opt2, second, rank, range(split + 1, steps + 1)), saved

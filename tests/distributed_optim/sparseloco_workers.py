@@ -4,7 +4,6 @@ more, with a checkpoint mid-run resumed in fresh objects, and the end of a run. 
 are ``diloco_workers``' (the parent replays them in the W-worker reference)."""
 from __future__ import annotations
 
-import io
 from typing import Any
 
 import torch
@@ -16,7 +15,13 @@ from lightning_optim.comm.stats import CommStats
 from lightning_optim.distributed import DiLoCo
 from lightning_optim.distributed.diloco_schedule import syncing_fragment
 from tests.distributed import error_text
-from tests.distributed_optim.diloco_workers import _steps, counting_collectives, init_params, make_inner
+from tests.distributed_optim.diloco_workers import (
+    _steps,
+    counting_collectives,
+    init_params,
+    make_inner,
+    resumed_run,
+)
 
 STEPS = 12
 PAPER_CHUNK = 4096  # SparseLoCo's chunk, which compressor="sparseloco" takes
@@ -92,18 +97,7 @@ def _run(name: str, rank: int, group) -> dict[str, Any]:
     per_step: list[dict] = []
     with counting_collectives() as counter:
         history = _steps(opt, params, rank, range(1, STEPS + 1), per_step, counter)
-    # a checkpoint after step ``split`` in a second run, resumed in fresh objects
-    first = [p.requires_grad_() for p in init_params()]
-    opt1 = build(name, first, group)
-    _steps(opt1, first, rank, range(1, cfg["split"] + 1))
-    buf = io.BytesIO()
-    torch.save({"params": [p.detach() for p in first], "opt": opt1.state_dict()}, buf)
-    buf.seek(0)
-    saved = torch.load(buf, weights_only=True)
-    second = [p.clone().requires_grad_() for p in saved["params"]]
-    opt2 = build(name, second, group)
-    opt2.load_state_dict(saved["opt"])
-    resumed = _steps(opt2, second, rank, range(cfg["split"] + 1, STEPS + 1))
+    resumed, saved = resumed_run(build, name, group, rank, cfg["split"], STEPS)  # a checkpoint after step split
     out = {"history": history, "resumed": resumed, "per_step": per_step, "bounds": opt.bounds,
            "syncs": [syncing_fragment(t, opt.sync_every, opt.fragments) for t in range(1, STEPS + 1)],
            "predicted": [c.bytes_sent([p.numel() for p in params[lo:hi]], dist.get_world_size(group))
