@@ -38,6 +38,7 @@ class CheckpointSteps:
     compressor_name: str
 
     def _origin(self) -> tuple[int, int]:
+        """(world size, this rank) of the group: DiLoCo's own (a mixin stand-in, not a stub)."""
         raise NotImplementedError
 
     def _settings(self) -> dict[str, Any]:
